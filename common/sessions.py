@@ -1,0 +1,37 @@
+"""The sessions a worker holds: one per open stream, bounded in number."""
+
+import itertools
+import os
+from typing import Generic, TypeVar
+
+from common.errors import ResourceExhausted
+
+S = TypeVar("S")
+
+
+class SessionRegistry(Generic[S]):
+    def __init__(self, max_sessions: int):
+        self.max_sessions = max_sessions
+        self.sessions: dict[str, S] = {}
+        self._ids = itertools.count(1)
+        self._prefix = f"{os.getpid():x}"
+
+    def new_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    def reserve(self) -> str:
+        """Checks capacity before the (costly) prefill; raises ResourceExhausted when full."""
+        if len(self.sessions) >= self.max_sessions:
+            raise ResourceExhausted(f"worker holds its maximum of {self.max_sessions} sessions; retry later")
+        return self.new_id()
+
+    def add(self, session_id: str, session: S) -> None:
+        if len(self.sessions) >= self.max_sessions:
+            raise ResourceExhausted(f"worker holds its maximum of {self.max_sessions} sessions; retry later")
+        self.sessions[session_id] = session
+
+    def remove(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    def __len__(self) -> int:
+        return len(self.sessions)

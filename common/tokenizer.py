@@ -1,0 +1,69 @@
+"""Tokenizers behind one small interface: Hugging Face tokenizers and the byte-level one of tiny-random models."""
+
+import hashlib
+import json
+from typing import Protocol
+from collections.abc import Sequence
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class Tokenizer(Protocol):
+    fingerprint: str
+    eos_token_ids: list[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+
+def fingerprint_of(payload: object) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer of tiny-random models: id 0 is end-of-sequence, byte b is id 1 + b mod (vocab - 1).
+
+    With vocab >= 256 every byte of valid UTF-8 (which never uses 0xFF) round-trips; smaller vocabularies fold
+    bytes together, which is fine for the random models they serve.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [0]
+        self.fingerprint = fingerprint_of({"byte-level": vocab_size})
+
+    def encode(self, text: str) -> list[int]:
+        return [1 + b % (self.vocab_size - 1) for b in text.encode("utf-8")]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t - 1 for t in token_ids if 0 < t < min(self.vocab_size, 257)).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return self.encode(text)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer; chats are rendered with the model's own chat template."""
+
+    def __init__(self, tokenizer, eos_token_ids: list[int]):
+        self.hf = tokenizer
+        self.eos_token_ids = eos_token_ids
+        vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+        self.fingerprint = fingerprint_of({"vocab": vocab, "special": sorted(tokenizer.all_special_tokens)})
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.hf.chat_template is None:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+            return self.encode(text)
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.hf.encode(text, add_special_tokens=False))

@@ -1,0 +1,50 @@
+"""Checks of values that cross a service boundary; each failure names the field it is about."""
+
+import math
+
+import torch
+
+from common.errors import InvalidArgument
+from common.sampling import SamplingParams, SparseDistribution
+
+# q may be renormalised float32; anything further from 1 is not a distribution the draft sampled from.
+DISTRIBUTION_MASS_TOLERANCE = 1e-3
+
+
+def check_sampling(params: SamplingParams, field: str) -> None:
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise InvalidArgument(f"{field}.temperature", f"must be a finite number >= 0, got {params.temperature}")
+    if params.top_k < 0:
+        raise InvalidArgument(f"{field}.top_k", f"must be >= 0, got {params.top_k}")
+    if not (0 < params.top_p <= 1):
+        raise InvalidArgument(f"{field}.top_p", f"must be in (0, 1], got {params.top_p}")
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(field, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_prompt(prompt: list[int], vocab_size: int, max_context: int, field: str) -> None:
+    if not prompt:
+        raise InvalidArgument(field, "must not be empty")
+    check_token_ids(prompt, vocab_size, field)
+    if max_context and len(prompt) >= max_context:
+        raise InvalidArgument(field, f"{len(prompt)} tokens leave no room in the model's context of {max_context}")
+
+
+def check_distribution(dist: SparseDistribution, token: int, vocab_size: int, field: str) -> None:
+    if dist.token_ids.numel() == 0 or dist.token_ids.numel() != dist.probs.numel():
+        raise InvalidArgument(field, "token_ids and probs must be non-empty and of equal length")
+    check_token_ids(dist.token_ids.tolist(), vocab_size, f"{field}.token_ids")
+    if len(set(dist.token_ids.tolist())) != dist.token_ids.numel():
+        raise InvalidArgument(f"{field}.token_ids", "must not repeat a token")
+    if not bool(torch.isfinite(dist.probs).all()) or bool((dist.probs < 0).any()):
+        raise InvalidArgument(f"{field}.probs", "must be finite and non-negative")
+    mass = float(dist.probs.sum())
+    if abs(mass - 1.0) > DISTRIBUTION_MASS_TOLERANCE:
+        raise InvalidArgument(f"{field}.probs", f"must sum to 1, got {mass:.6f}")
+    in_support = dist.probs[dist.token_ids == token]
+    if in_support.numel() == 0 or float(in_support[0]) <= 0:
+        raise InvalidArgument(field, f"drafted token {token} has no probability under its own distribution")

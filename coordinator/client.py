@@ -1,0 +1,95 @@
+"""A small client of GenerationService for other Python services.
+
+from coordinator.client import GenerationClient
+with GenerationClient("localhost:50051") as client:
+    print(client.generate("Hello", max_new_tokens=32, temperature=0).text)
+    for delta in client.stream("Hello"):
+        print(delta.text, end="")
+"""
+
+from collections.abc import Iterator
+
+import grpc
+
+from common.server import GRPC_OPTIONS
+from specdec.v1 import generation_pb2, generation_pb2_grpc
+
+FINISH_REASONS = {
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_EOS: "eos",
+    generation_pb2.FINISH_REASON_STOP: "stop",
+}
+
+
+def build_request(
+    prompt: str | list[int] | list[dict[str, str]],
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    ignore_eos: bool = False,
+    num_speculative_tokens: int | None = None,
+) -> generation_pb2.GenerateRequest:
+    """A request from a prompt string, a list of token ids, or chat messages ({"role", "content"} dicts)."""
+    optional = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "num_speculative_tokens": num_speculative_tokens,
+    }
+    request = generation_pb2.GenerateRequest(
+        stop=stop or [], ignore_eos=ignore_eos, **{k: v for k, v in optional.items() if v is not None}
+    )
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        request.messages.messages.extend(generation_pb2.ChatMessage(**m) for m in prompt)
+    else:
+        request.prompt_token_ids.token_ids.extend(prompt)
+    return request
+
+
+def response_to_dict(response: generation_pb2.GenerateResponse) -> dict:
+    spec = response.speculation
+    return {
+        "text": response.text,
+        "token_ids": list(response.token_ids),
+        "finish_reason": FINISH_REASONS.get(response.finish_reason, "unspecified"),
+        "usage": {"prompt_tokens": response.usage.prompt_tokens, "completion_tokens": response.usage.completion_tokens},
+        "speculation": {
+            "rounds": spec.rounds,
+            "drafted_tokens": spec.drafted_tokens,
+            "accepted_tokens": spec.accepted_tokens,
+            "acceptance_rate": spec.acceptance_rate,
+            "mean_tokens_per_round": spec.mean_tokens_per_round,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+        },
+    }
+
+
+class GenerationClient:
+    def __init__(self, endpoint: str = "localhost:50051", timeout: float | None = None):
+        self.channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self.timeout = timeout
+
+    def generate(self, prompt, **kwargs) -> generation_pb2.GenerateResponse:
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+
+    def stream(self, prompt, **kwargs) -> Iterator[generation_pb2.GenerateStreamResponse]:
+        """Yields GenerateStreamResponse messages: deltas (.delta) and finally the whole result (.final)."""
+        yield from self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "GenerationClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

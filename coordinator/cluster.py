@@ -1,0 +1,115 @@
+"""`specdec up`: the three services as separate local processes, stopped together."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEFAULT_TARGET_MODEL = "smollm2-135m"
+# The best draft the project has for each target; prompt lookup for SmolLM2 (see README, "Choosing a draft").
+DEFAULT_DRAFTS = {"smollm2-135m": "ngram"}
+
+
+def default_draft_for(target_model: str) -> str:
+    return DEFAULT_DRAFTS.get(target_model, "ngram")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def is_serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return response.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+@dataclass
+class Cluster:
+    target_model: str = DEFAULT_TARGET_MODEL
+    draft_model: str | None = None
+    port: int = 50051
+    extra_coordinator_args: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"localhost:{self.port}"
+
+    def spawn(self, *args: str) -> subprocess.Popen:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "common.cli", "serve", *args], env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        self.processes.append(process)
+        return process
+
+    def start(self, timeout: float = 600) -> None:
+        draft_model = self.draft_model or default_draft_for(self.target_model)
+        target_port, draft_port = free_port(), free_port()
+        self.spawn("target", "--model", self.target_model, "--port", str(target_port), "--device", self.device)
+        self.spawn("draft", "--model", draft_model, "--port", str(draft_port), "--device", self.device)
+        self.spawn(
+            "coordinator",
+            "--port",
+            str(self.port),
+            "--target",
+            f"localhost:{target_port}",
+            "--draft",
+            f"localhost:{draft_port}",
+            *self.extra_coordinator_args,
+        )
+        deadline = time.monotonic() + timeout
+        while not is_serving(self.address):
+            if any(p.poll() is not None for p in self.processes):
+                self.stop()
+                raise RuntimeError("a service exited during start-up; see its log above")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the cluster did not become healthy within {timeout:.0f} s")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.processes.clear()
+
+    def __enter__(self) -> "Cluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def up(target_model: str, draft_model: str | None, port: int, device: str = "cpu") -> int:
+    cluster = Cluster(target_model, draft_model, port, device=device)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    cluster.start()
+    print(f"specdec is serving GenerationService at {cluster.address} (Ctrl-C stops all three services)", flush=True)
+    try:
+        while not stop and all(p.poll() is None for p in cluster.processes):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+    return 0

@@ -1,0 +1,53 @@
+"""Workers as in-process engines: the speculation loop without gRPC, to isolate the cost of the split."""
+
+from common.rounds import Proposal, Verdict
+from common.sampling import SamplingParams, SparseDistribution
+from coordinator.workers import DraftSession, TargetSession, WorkerInfo
+from draft_worker.engine import DraftEngine
+from target_worker.engine import TargetEngine
+
+
+class InProcessTargetSession:
+    def __init__(self, engine: TargetEngine, prompt: list[int], params: SamplingParams, num_p_entries: int):
+        self.engine = engine
+        self.session, opened = engine.open_session(prompt, params, num_p_entries)
+        self.prefill_us = opened.compute_us
+
+    async def verify(self, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict:
+        return self.engine.verify(self.session, draft_tokens, draft_dists)
+
+    async def close(self) -> None:
+        self.engine.close_session(self.session)
+
+
+class InProcessDraftSession:
+    def __init__(self, engine: DraftEngine, prompt: list[int], params: SamplingParams, max_q_entries: int):
+        self.engine = engine
+        self.handle, _, self.prefill_us = engine.open_session(prompt, params, max_q_entries)
+
+    async def step(self, num_accepted: int, committed: list[int], num_tokens: int) -> Proposal:
+        return self.engine.step(self.handle, num_accepted, committed, num_tokens)
+
+    async def close(self) -> None:
+        self.engine.close_session(self.handle)
+
+
+class InProcessWorkers:
+    def __init__(self, target: TargetEngine, draft: DraftEngine | None):
+        self.target = target
+        self.draft = draft
+
+    async def target_info(self) -> WorkerInfo:
+        return WorkerInfo(**self.target.info())
+
+    async def draft_info(self) -> WorkerInfo | None:
+        return WorkerInfo(**self.draft.info()) if self.draft else None
+
+    async def open_target(self, prompt: list[int], params: SamplingParams, num_p_entries: int) -> TargetSession:
+        return InProcessTargetSession(self.target, prompt, params, num_p_entries)
+
+    async def open_draft(self, prompt: list[int], params: SamplingParams, max_q_entries: int) -> DraftSession:
+        return InProcessDraftSession(self.draft, prompt, params, max_q_entries)
+
+    async def close(self) -> None:
+        pass

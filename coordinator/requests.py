@@ -1,0 +1,96 @@
+"""GenerateRequest in, GenerateResponse out: field checks (each error names its field) and conversions."""
+
+import math
+
+from common.errors import InvalidArgument
+from common.sampling import SamplingParams
+from common.tokenizer import CHAT_ROLES, Tokenizer
+from coordinator.engine import CoordinatorConfig, GenerationParams, GenerationResult
+from coordinator.output import Delta
+from specdec.v1 import generation_pb2
+
+MAX_STOP_STRINGS = 16
+
+
+def prompt_tokens_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("input", "set one of prompt, messages or prompt_token_ids")
+    if kind == "prompt":
+        if not request.prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        return tokenizer.encode(request.prompt)
+    if kind == "messages":
+        messages = request.messages.messages
+        if not messages:
+            raise InvalidArgument("messages", "must hold at least one message")
+        for i, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidArgument(f"messages[{i}].role", f"unknown role {message.role!r}; use one of {', '.join(CHAT_ROLES)}")
+        return tokenizer.render_chat([{"role": m.role, "content": m.content} for m in messages])
+    token_ids = list(request.prompt_token_ids.token_ids)
+    if not token_ids:
+        raise InvalidArgument("prompt_token_ids", "must not be empty")
+    return token_ids
+
+
+def sampling_of(request: generation_pb2.GenerateRequest) -> SamplingParams:
+    temperature = request.temperature if request.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidArgument("temperature", f"must be a finite number >= 0, got {temperature}")
+    top_p = request.top_p if request.HasField("top_p") else 1.0
+    if not (0 < top_p <= 1):
+        raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = request.top_k if request.HasField("top_k") else 0
+    if top_k < 0:
+        raise InvalidArgument("top_k", f"must be >= 0, got {top_k}")
+    seed = request.seed if request.HasField("seed") else None
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer, config: CoordinatorConfig) -> GenerationParams:
+    max_new_tokens = request.max_new_tokens if request.HasField("max_new_tokens") else config.default_max_new_tokens
+    if not 1 <= max_new_tokens <= config.max_new_tokens_cap:
+        raise InvalidArgument("max_new_tokens", f"must be in [1, {config.max_new_tokens_cap}], got {max_new_tokens}")
+    gamma = (
+        request.num_speculative_tokens if request.HasField("num_speculative_tokens") else config.default_num_speculative_tokens
+    )
+    if not 0 <= gamma <= config.max_num_speculative_tokens:
+        raise InvalidArgument("num_speculative_tokens", f"must be in [0, {config.max_num_speculative_tokens}], got {gamma}")
+    stop = list(request.stop)
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
+    sampling = sampling_of(request)
+    return GenerationParams(
+        prompt_token_ids=prompt_tokens_of(request, tokenizer),
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        num_speculative_tokens=gamma,
+        stop=stop,
+        ignore_eos=request.ignore_eos,
+    )
+
+
+def response_of(result: GenerationResult) -> generation_pb2.GenerateResponse:
+    return generation_pb2.GenerateResponse(
+        text=result.text,
+        token_ids=result.token_ids,
+        finish_reason=result.finish_reason,
+        usage=generation_pb2.Usage(prompt_tokens=result.prompt_tokens, completion_tokens=len(result.token_ids)),
+        speculation=generation_pb2.SpeculationStats(
+            rounds=len(result.rounds),
+            drafted_tokens=result.drafted_tokens,
+            accepted_tokens=result.accepted_tokens,
+            acceptance_rate=result.acceptance_rate,
+            mean_tokens_per_round=result.mean_tokens_per_round,
+            num_speculative_tokens=result.num_speculative_tokens,
+        ),
+    )
+
+
+def stream_message_of(event: Delta | GenerationResult) -> generation_pb2.GenerateStreamResponse:
+    if isinstance(event, Delta):
+        return generation_pb2.GenerateStreamResponse(
+            delta=generation_pb2.GenerateDelta(text=event.text, token_ids=event.token_ids)
+        )
+    return generation_pb2.GenerateStreamResponse(final=response_of(event))

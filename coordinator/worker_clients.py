@@ -1,0 +1,179 @@
+"""Workers over gRPC: each session is one bidirectional stream (DraftService.Draft, TargetService.Verify)."""
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from common.protocol import distribution_from_proto, distribution_to_proto, sampling_to_proto
+from common.rounds import Proposal, Verdict
+from common.sampling import SamplingParams, SparseDistribution
+from common.server import GRPC_OPTIONS
+from coordinator.workers import WorkerInfo
+from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, worker_pb2
+
+INFO_FIELDS = [f.name for f in worker_pb2.GetInfoResponse.DESCRIPTOR.fields if f.name != "role"]
+
+
+def info_from_proto(msg: worker_pb2.GetInfoResponse) -> WorkerInfo:
+    return WorkerInfo(**{name: (list(v) if name == "eos_token_ids" else v) for name in INFO_FIELDS for v in [getattr(msg, name)]})
+
+
+def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> Exception:
+    return error_from_status(error.code(), error.details(), worker)
+
+
+def error_from_status(code: grpc.StatusCode, details: str | None, worker: str) -> Exception:
+    """A worker's failure as the coordinator's own error, saying which worker failed and how."""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(worker, details or "rejected")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(f"{worker} worker: {details}")
+    return Unavailable(f"{worker} worker: {details or code.name}")
+
+
+class StreamSession:
+    """One bidirectional stream used as request/response pairs."""
+
+    worker = "worker"
+
+    def __init__(self, call):
+        self.call = call
+        self.prefill_us = 0
+
+    async def exchange(self, request):
+        try:
+            await self.call.write(request)
+            response = await self.call.read()
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error, self.worker) from None
+        if response is grpc.aio.EOF:
+            raise error_from_status(await self.call.code(), await self.call.details(), self.worker)
+        return response
+
+    async def close(self) -> None:
+        """Half-closes the stream so that the worker frees the session, and waits for it to finish."""
+        try:
+            await self.call.done_writing()
+            await asyncio.wait_for(self.call.code(), timeout=5)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.CancelledError):
+            self.call.cancel()
+            raise_if_cancelled()
+        except Exception:
+            self.call.cancel()
+
+
+def raise_if_cancelled() -> None:
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+class GrpcTargetSession(StreamSession):
+    worker = "target"
+
+    async def open(self, prompt: list[int], params: SamplingParams, num_p_entries: int) -> "GrpcTargetSession":
+        start = target_pb2.VerifySessionStart(
+            prompt_token_ids=prompt, sampling=sampling_to_proto(params), num_p_entries=num_p_entries
+        )
+        response = await self.exchange(target_pb2.VerifyRequest(start=start))
+        self.prefill_us = response.started.timing.compute_us
+        return self
+
+    async def verify(self, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict:
+        step = target_pb2.VerifyStep(
+            draft_token_ids=draft_tokens, draft_distributions=[distribution_to_proto(d) for d in draft_dists]
+        )
+        result = (await self.exchange(target_pb2.VerifyRequest(step=step))).result
+        return Verdict(
+            num_accepted=result.num_accepted,
+            next_token=result.next_token_id,
+            rollback=result.rollback,
+            draft_token_probs=list(result.draft_token_probs),
+            distributions=[distribution_from_proto(d) for d in result.distributions],
+            compute_us=result.timing.compute_us,
+            sync_us=result.timing.sync_us,
+        )
+
+
+class GrpcDraftSession(StreamSession):
+    worker = "draft"
+
+    async def open(self, prompt: list[int], params: SamplingParams, max_q_entries: int) -> "GrpcDraftSession":
+        start = draft_pb2.DraftSessionStart(
+            prompt_token_ids=prompt, sampling=sampling_to_proto(params), max_q_entries=max_q_entries
+        )
+        response = await self.exchange(draft_pb2.DraftRequest(start=start))
+        self.prefill_us = response.started.timing.compute_us
+        return self
+
+    async def step(self, num_accepted: int, committed: list[int], num_tokens: int) -> Proposal:
+        step = draft_pb2.DraftStep(num_accepted=num_accepted, committed_token_ids=committed, num_tokens=num_tokens)
+        proposal = (await self.exchange(draft_pb2.DraftRequest(step=step))).proposal
+        return Proposal(
+            token_ids=list(proposal.token_ids),
+            distributions=[distribution_from_proto(d) for d in proposal.distributions],
+            compute_us=proposal.timing.compute_us,
+            sync_us=proposal.timing.sync_us,
+        )
+
+
+class GrpcWorkers:
+    """Channels to a target worker and, optionally, a draft worker."""
+
+    def __init__(self, target_address: str, draft_address: str | None):
+        self.target_channel = grpc.aio.insecure_channel(target_address, options=GRPC_OPTIONS)
+        self.draft_channel = grpc.aio.insecure_channel(draft_address, options=GRPC_OPTIONS) if draft_address else None
+        self.target_stub = target_pb2_grpc.TargetServiceStub(self.target_channel)
+        self.draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel) if self.draft_channel else None
+
+    async def target_info(self) -> WorkerInfo:
+        return await self.info(self.target_stub, "target")
+
+    async def draft_info(self) -> WorkerInfo | None:
+        return await self.info(self.draft_stub, "draft") if self.draft_stub else None
+
+    async def info(self, stub, worker: str) -> WorkerInfo:
+        try:
+            return info_from_proto(await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10))
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error, worker) from None
+
+    async def open_target(self, prompt: list[int], params: SamplingParams, num_p_entries: int) -> GrpcTargetSession:
+        session = GrpcTargetSession(self.target_stub.Verify())
+        return await opened_or_closed(session, session.open(prompt, params, num_p_entries))
+
+    async def open_draft(self, prompt: list[int], params: SamplingParams, max_q_entries: int) -> GrpcDraftSession:
+        session = GrpcDraftSession(self.draft_stub.Draft())
+        return await opened_or_closed(session, session.open(prompt, params, max_q_entries))
+
+    async def close(self) -> None:
+        await self.target_channel.close()
+        if self.draft_channel:
+            await self.draft_channel.close()
+
+
+async def opened_or_closed(session: StreamSession, opening):
+    try:
+        return await opening
+    except BaseException:
+        session.call.cancel()
+        raise
+
+
+async def wait_until_serving(address: str, timeout: float) -> None:
+    """Polls the standard health service until the server reports SERVING (its model is loaded)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                response = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise Unavailable(f"{address} did not report SERVING within {timeout:.0f} s")
+            await asyncio.sleep(0.2)

@@ -1,0 +1,53 @@
+"""How the coordinator talks to the two workers: one open session per worker and request.
+
+Two implementations share one interface: gRPC streams to the worker services (coordinator.worker_clients), and
+direct calls on in-process engines (coordinator.in_process), which runs the same speculation loop without
+the network for tests and benchmarks.
+"""
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from common.rounds import Proposal, Verdict
+from common.sampling import SamplingParams, SparseDistribution
+
+
+@dataclass
+class WorkerInfo:
+    model_name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    device: str
+    dtype: str
+    max_context_length: int
+    active_sessions: int
+    max_sessions: int
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+class DraftSession(Protocol):
+    prefill_us: int
+
+    async def step(self, num_accepted: int, committed: list[int], num_tokens: int) -> Proposal: ...
+
+    async def close(self) -> None: ...
+
+
+class TargetSession(Protocol):
+    prefill_us: int
+
+    async def verify(self, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict: ...
+
+    async def close(self) -> None: ...
+
+
+class Workers(Protocol):
+    async def target_info(self) -> WorkerInfo: ...
+
+    async def draft_info(self) -> WorkerInfo | None: ...
+
+    async def open_target(self, prompt: list[int], params: SamplingParams, num_p_entries: int) -> TargetSession: ...
+
+    async def open_draft(self, prompt: list[int], params: SamplingParams, max_q_entries: int) -> DraftSession: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,54 @@
+from specdec.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftSessionStart(_message.Message):
+    __slots__ = ("prompt_token_ids", "sampling", "max_q_entries")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_Q_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _worker_pb2.SamplingParams
+    max_q_entries: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., max_q_entries: _Optional[int] = ...) -> None: ...
+
+class DraftStep(_message.Message):
+    __slots__ = ("num_accepted", "committed_token_ids", "num_tokens")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("start", "step")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    start: DraftSessionStart
+    step: DraftStep
+    def __init__(self, start: _Optional[_Union[DraftSessionStart, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ...) -> None: ...
+
+class DraftProposal(_message.Message):
+    __slots__ = ("token_ids", "distributions", "timing")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    distributions: _containers.RepeatedCompositeFieldContainer[_worker_pb2.SparseDistribution]
+    timing: _worker_pb2.WorkerTiming
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_worker_pb2.SparseDistribution, _Mapping]]] = ..., timing: _Optional[_Union[_worker_pb2.WorkerTiming, _Mapping]] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("started", "proposal")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    started: _worker_pb2.SessionStarted
+    proposal: DraftProposal
+    def __init__(self, started: _Optional[_Union[_worker_pb2.SessionStarted, _Mapping]] = ..., proposal: _Optional[_Union[DraftProposal, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,83 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_DRAFT: _ClassVar[WorkerRole]
+    WORKER_ROLE_TARGET: _ClassVar[WorkerRole]
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_DRAFT: WorkerRole
+WORKER_ROLE_TARGET: WorkerRole
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class WorkerTiming(_message.Message):
+    __slots__ = ("compute_us", "sync_us")
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    SYNC_US_FIELD_NUMBER: _ClassVar[int]
+    compute_us: int
+    sync_us: int
+    def __init__(self, compute_us: _Optional[int] = ..., sync_us: _Optional[int] = ...) -> None: ...
+
+class SessionStarted(_message.Message):
+    __slots__ = ("session_id", "cached_tokens", "timing")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    cached_tokens: int
+    timing: WorkerTiming
+    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("role", "model_name", "vocab_size", "tokenizer_fingerprint", "device", "dtype", "max_context_length", "active_sessions", "max_sessions", "eos_token_ids")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    role: WorkerRole
+    model_name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    device: str
+    dtype: str
+    max_context_length: int
+    active_sessions: int
+    max_sessions: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The target worker: holds the target model and verifies drafted tokens (TargetService)."""

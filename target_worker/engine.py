@@ -1,0 +1,113 @@
+"""Verification on the target model: one forward pass per round, the acceptance test, and the cache rollback.
+
+The engine knows nothing of gRPC; target_worker.server translates protobuf to calls on it.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.cached_sequence import CachedSequence, elapsed_us
+from common.errors import FailedPrecondition, InvalidArgument
+from common.models import LoadedModel
+from common.rounds import Verdict
+from common.sampling import (
+    SamplingParams,
+    SparseDistribution,
+    logits_to_probs,
+    make_generator,
+    top_entries,
+    verify_draft,
+)
+from common.sessions import SessionRegistry
+from common.validation import check_distribution, check_prompt, check_sampling, check_token_ids
+
+
+@dataclass
+class TargetSession:
+    session_id: str
+    sequence: CachedSequence
+    params: SamplingParams
+    generator: torch.Generator
+    num_p_entries: int
+    last_active: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class SessionOpened:
+    session_id: str
+    cached_tokens: int
+    compute_us: int
+
+
+class TargetEngine:
+    def __init__(self, loaded: LoadedModel, max_sessions: int = 64):
+        self.loaded = loaded
+        self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions)
+
+    def open_session(
+        self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0
+    ) -> tuple[TargetSession, SessionOpened]:
+        check_prompt(prompt, self.loaded.vocab_size, self.loaded.max_context_length, "start.prompt_token_ids")
+        check_sampling(params, "start.sampling")
+        if num_p_entries < 0:
+            raise InvalidArgument("start.num_p_entries", f"must be >= 0, got {num_p_entries}")
+        session_id = self.sessions.reserve()
+        start = time.perf_counter()
+        sequence = CachedSequence(self.loaded.model, prompt)
+        sequence.prefill()
+        session = TargetSession(session_id, sequence, params, make_generator(params.seed, "target"), num_p_entries)
+        self.sessions.add(session_id, session)
+        return session, SessionOpened(session_id, sequence.cache_len, elapsed_us(start))
+
+    def check_step(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> None:
+        vocab = self.loaded.vocab_size
+        check_token_ids(draft_tokens, vocab, "step.draft_token_ids")
+        if len(draft_dists) != len(draft_tokens):
+            raise InvalidArgument(
+                "step.draft_distributions", f"need one per drafted token ({len(draft_tokens)}), got {len(draft_dists)}"
+            )
+        for i, (token, dist) in enumerate(zip(draft_tokens, draft_dists, strict=True)):
+            check_distribution(dist, token, vocab, f"step.draft_distributions[{i}]")
+        limit = self.loaded.max_context_length
+        if limit and len(session.sequence.tokens) + len(draft_tokens) + 1 > limit:
+            raise InvalidArgument("step.draft_token_ids", f"the sequence would exceed the model's context of {limit} tokens")
+
+    def verify(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict:
+        """Scores [pending, x1..xg] in one pass, accepts a prefix, and crops the rejected tail off the cache."""
+        if session.session_id not in self.sessions.sessions:
+            raise FailedPrecondition("the session is closed")
+        self.check_step(session, draft_tokens, draft_dists)
+        session.last_active = time.monotonic()
+        start = time.perf_counter()
+        sequence = session.sequence
+        gamma = len(draft_tokens)
+        logits = sequence.forward(sequence.pending() + draft_tokens, gamma + 1)
+        probs = logits_to_probs(logits, session.params)
+        num_accepted, next_token = verify_draft(probs, draft_tokens, draft_dists, session.params, session.generator)
+        draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
+        distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
+        compute_us = elapsed_us(start)
+        sync_start = time.perf_counter()
+        sequence.rollback(len(sequence.tokens) + num_accepted)
+        sync_us = elapsed_us(sync_start)
+        sequence.tokens += draft_tokens[:num_accepted] + [next_token]
+        return Verdict(num_accepted, next_token, gamma - num_accepted, draft_token_probs, distributions, compute_us, sync_us)
+
+    def close_session(self, session: TargetSession) -> None:
+        self.sessions.remove(session.session_id)
+
+    def info(self) -> dict:
+        loaded = self.loaded
+        return {
+            "model_name": loaded.name,
+            "vocab_size": loaded.vocab_size,
+            "tokenizer_fingerprint": loaded.tokenizer.fingerprint,
+            "device": str(loaded.device),
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "max_context_length": loaded.max_context_length,
+            "active_sessions": len(self.sessions),
+            "max_sessions": self.sessions.max_sessions,
+            "eos_token_ids": loaded.tokenizer.eos_token_ids,
+        }

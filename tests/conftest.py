@@ -1,0 +1,93 @@
+"""Shared fixtures: tiny random models (fast, exact) and real gRPC services on loopback."""
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from common.models import load_model
+from coordinator.engine import CoordinatorConfig
+from coordinator.server import build_engine, start_coordinator_server
+from coordinator.worker_clients import GrpcWorkers
+from draft_worker.engine import DraftEngine
+from draft_worker.ngram import parse_ngram
+from draft_worker.server import start_draft_server
+from specdec.v1 import generation_pb2_grpc
+from target_worker.engine import TargetEngine
+from target_worker.server import start_target_server
+
+TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
+
+
+def draft_spec(noise: float) -> str:
+    return f"{TARGET},noise={noise}"
+
+
+@pytest.fixture(scope="session")
+def target_model():
+    return load_model(TARGET)
+
+
+@pytest.fixture(scope="session")
+def draft_models():
+    """Drafts of several qualities: identical weights, close, half agreeing, mostly wrong."""
+    return {noise: load_model(draft_spec(noise)) for noise in (0.0, 0.1, 0.5, 1.0)}
+
+
+def draft_engine_for(draft_models, kind) -> DraftEngine:
+    if kind == "ngram":
+        return DraftEngine(None, "ngram", ngram=parse_ngram("ngram"))
+    return DraftEngine(draft_models[kind], draft_spec(kind))
+
+
+@dataclass
+class Services:
+    """A running cluster: the engines behind the workers and a stub of the coordinator's GenerationService."""
+
+    target: TargetEngine
+    draft: DraftEngine | None
+    stub: generation_pb2_grpc.GenerationServiceStub
+    coordinator_address: str
+    target_address: str
+    draft_address: str | None
+
+
+@contextlib.asynccontextmanager
+async def running_services(target: TargetEngine, draft: DraftEngine | None, config: CoordinatorConfig | None = None):
+    """The three gRPC services on loopback ports, in this event loop, over already-loaded engines."""
+    target_server, target_port = await start_target_server(target)
+    servers = [target_server]
+    draft_address = None
+    if draft is not None:
+        draft_server, draft_port = await start_draft_server(draft)
+        servers.append(draft_server)
+        draft_address = f"127.0.0.1:{draft_port}"
+    workers = GrpcWorkers(f"127.0.0.1:{target_port}", draft_address)
+    engine = await build_engine(workers, config or CoordinatorConfig(), tokenizer=target.loaded.tokenizer)
+    coordinator_server, coordinator_port = await start_coordinator_server(engine)
+    servers.append(coordinator_server)
+    address = f"127.0.0.1:{coordinator_port}"
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            yield Services(
+                target,
+                draft,
+                generation_pb2_grpc.GenerationServiceStub(channel),
+                address,
+                f"127.0.0.1:{target_port}",
+                draft_address,
+            )
+    finally:
+        await workers.close()
+        await asyncio.gather(*(s.stop(0) for s in servers))
+
+
+async def wait_for(condition, timeout: float = 5.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True

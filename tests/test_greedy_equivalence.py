@@ -1,0 +1,54 @@
+"""Greedy speculative output equals target-only greedy output, token for token, through the real gRPC services."""
+
+import asyncio
+
+import pytest
+
+from coordinator.client import build_request
+from tests.conftest import draft_engine_for, running_services
+from target_worker.engine import TargetEngine
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "def add(a, b):\n    return a + b\n\ndef"]
+DRAFTS = [0.0, 0.1, 0.5, 1.0, "ngram"]
+
+
+async def generate_ids(stub, prompt: str, gamma: int, max_new_tokens: int = 40) -> tuple[list[int], object]:
+    request = build_request(prompt, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, num_speculative_tokens=gamma)
+    response = await stub.Generate(request)
+    return list(response.token_ids), response.speculation
+
+
+@pytest.mark.parametrize("draft_kind", DRAFTS, ids=lambda d: f"draft={d}")
+def test_greedy_output_matches_target_only_for_every_gamma(target_model, draft_models, draft_kind):
+    async def run():
+        async with running_services(TargetEngine(target_model), draft_engine_for(draft_models, draft_kind)) as services:
+            for prompt in PROMPTS:
+                reference, stats = await generate_ids(services.stub, prompt, gamma=0)
+                assert stats.drafted_tokens == 0 and stats.rounds == len(reference)
+                rates = []
+                for gamma in range(1, 9):
+                    ids, stats = await generate_ids(services.stub, prompt, gamma)
+                    assert ids == reference, f"gamma={gamma} diverged from target-only"
+                    assert stats.rounds < len(reference) or stats.accepted_tokens == 0
+                    rates.append(stats.acceptance_rate)
+                if draft_kind == 0.0:
+                    assert min(rates) == 1.0, "an identical draft must always be accepted"
+
+    asyncio.run(run())
+
+
+def test_streamed_deltas_add_up_to_the_final_response(target_model, draft_models):
+    async def run():
+        async with running_services(TargetEngine(target_model), draft_engine_for(draft_models, 0.1)) as services:
+            request = build_request(PROMPTS[0], max_new_tokens=30, temperature=0, ignore_eos=True, num_speculative_tokens=4)
+            text, ids, final = "", [], None
+            async for message in services.stub.GenerateStream(request):
+                if message.HasField("delta"):
+                    text += message.delta.text
+                    ids += list(message.delta.token_ids)
+                else:
+                    final = message.final
+            assert final is not None and ids == list(final.token_ids) and text == final.text
+            assert final.usage.completion_tokens == 30 and final.speculation.rounds < 30
+
+    asyncio.run(run())

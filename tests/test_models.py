@@ -1,0 +1,62 @@
+"""Model specs: tiny-random gives the same weights in any process; bad specs are refused clearly."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.errors import InvalidArgument
+from common.models import load_model, parse_spec_params, TINY_RANDOM_DEFAULTS
+from draft_worker.ngram import find_continuation, parse_ngram
+
+SPEC = "tiny-random:seed=7,vocab=64,layers=1,hidden=32,noise=0.3"
+CHECKSUM = (
+    "from common.models import load_model; m = load_model('{spec}').model; "
+    "print(repr(sum(float(p.double().sum()) for p in m.parameters())))"
+)
+
+
+def weight_checksum(model) -> float:
+    return sum(float(p.double().sum()) for p in model.parameters())
+
+
+def test_same_tiny_random_string_gives_the_same_weights_in_another_process():
+    torch.manual_seed(12345)  # the global RNG must not matter
+    here = weight_checksum(load_model(SPEC).model)
+    there = subprocess.run([sys.executable, "-c", CHECKSUM.format(spec=SPEC)], capture_output=True, text=True, check=True).stdout
+    assert float(there) == here
+
+
+def test_noise_perturbs_the_same_weights():
+    base = load_model("tiny-random:seed=7,vocab=64,layers=1,hidden=32").model
+    noisy = load_model(SPEC).model
+    a, b = dict(base.named_parameters()), dict(noisy.named_parameters())
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(a[name], b[name])
+    assert torch.corrcoef(torch.stack([a[name].flatten(), b[name].flatten()]))[0, 1] > 0.8
+
+
+def test_tiny_random_reports_its_vocab_and_byte_tokenizer():
+    loaded = load_model("tiny-random:vocab=300,hidden=16")
+    assert loaded.vocab_size == 300 and loaded.model.config.num_hidden_layers == TINY_RANDOM_DEFAULTS["layers"]
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("héllo ✓")) == "héllo ✓"
+
+
+@pytest.mark.parametrize("spec", ["tiny-random:seed", "tiny-random:colour=3", "tiny-random:vocab=abc", "tiny-random:hidden=8"])
+def test_malformed_tiny_random_specs_are_refused(spec):
+    with pytest.raises(InvalidArgument, match="model"):
+        load_model(spec)
+
+
+def test_spec_params_parse_known_keys():
+    assert parse_spec_params("ngram:max=5", "ngram", {"max": 3, "min": 1}) == {"max": 5, "min": 1}
+    assert parse_ngram("ngram:max=4,min=2") == (4, 2)
+
+
+def test_prompt_lookup_continues_the_most_recent_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3]
+    assert find_continuation(tokens, 2, max_n=3, min_n=1) == [8, 7]
+    assert find_continuation([5, 6, 7, 5], 3, max_n=3, min_n=1) == [6, 7, 5]
+    assert find_continuation([1, 2, 3], 2, max_n=3, min_n=1) == []
+    assert find_continuation([4, 1, 2, 9, 1, 2], 3, max_n=2, min_n=2) == [9, 1, 2]

@@ -1,0 +1,100 @@
+"""The product as users run it: separate `specdec serve` processes, the real SmolLM2-135M, the CLI."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from coordinator.client import GenerationClient
+from coordinator.cluster import Cluster, free_port, is_serving
+
+GROUNDED = (
+    "Repeat this sentence exactly, then stop: The Rhine begins in the Swiss Alps, flows through six countries "
+    "and empties into the North Sea."
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2_cluster():
+    with Cluster(target_model="smollm2-135m", draft_model="ngram", port=free_port()) as cluster:
+        yield cluster
+
+
+def test_greedy_output_matches_target_only_on_smollm2(smollm2_cluster):
+    messages = [{"role": "user", "content": GROUNDED}]
+    with GenerationClient(smollm2_cluster.address) as client:
+        reference = client.generate(messages, max_new_tokens=40, temperature=0, num_speculative_tokens=0)
+        assert reference.speculation.drafted_tokens == 0
+        for gamma in (1, 2, 4):
+            response = client.generate(messages, max_new_tokens=40, temperature=0, num_speculative_tokens=gamma)
+            assert list(response.token_ids) == list(reference.token_ids), f"gamma={gamma}"
+            assert response.text == reference.text
+        assert response.speculation.accepted_tokens > 0, "prompt lookup should find the repeated sentence"
+        assert response.speculation.rounds < len(reference.token_ids)
+
+
+def test_generate_command_prints_the_json_result(smollm2_cluster):
+    base = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "generate",
+        "--endpoint",
+        smollm2_cluster.address,
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+    ]
+    prompt = "The capital of France is"
+    result = json.loads(
+        subprocess.run([*base, "--json", "--gamma", "2", prompt], capture_output=True, text=True, check=True).stdout
+    )
+    assert set(result) >= {"text", "token_ids", "finish_reason", "usage", "speculation"}
+    assert result["finish_reason"] in ("length", "eos", "stop") and result["usage"]["completion_tokens"] == len(
+        result["token_ids"]
+    )
+    assert set(result["speculation"]) >= {"rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate"}
+    streamed = subprocess.run([*base, "--gamma", "0", prompt], capture_output=True, text=True, check=True).stdout
+    assert streamed.strip() == result["text"].strip()
+
+
+def test_coordinator_refuses_a_pair_whose_tokenizers_differ():
+    target_port, draft_port = free_port(), free_port()
+    serve = [sys.executable, "-m", "common.cli", "serve"]
+    workers = [
+        subprocess.Popen(
+            [*serve, "target", "--model", "tiny-random:vocab=256", "--port", str(target_port)], stderr=subprocess.DEVNULL
+        ),
+        subprocess.Popen(
+            [*serve, "draft", "--model", "tiny-random:vocab=128", "--port", str(draft_port)], stderr=subprocess.DEVNULL
+        ),
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not (is_serving(f"localhost:{target_port}") and is_serving(f"localhost:{draft_port}")):
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.2)
+        coordinator = subprocess.run(
+            [
+                *serve,
+                "coordinator",
+                "--port",
+                str(free_port()),
+                "--target",
+                f"localhost:{target_port}",
+                "--draft",
+                f"localhost:{draft_port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert coordinator.returncode == 3
+        assert "different tokenizers" in coordinator.stderr
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.wait(timeout=15)

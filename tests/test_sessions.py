@@ -1,0 +1,84 @@
+"""A finished, failed or cancelled request leaves no session behind on either worker."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from coordinator.client import build_request
+from draft_worker.engine import DraftEngine
+from specdec.v1 import draft_pb2_grpc, target_pb2_grpc, worker_pb2
+from target_worker.engine import TargetEngine
+from tests.conftest import draft_engine_for, running_services, wait_for
+
+PROMPT = "Sessions are freed when a stream ends, whatever ends it."
+
+
+async def active_sessions(services) -> tuple[int, int]:
+    """Read through the workers' own GetInfo RPCs, as an operator would."""
+    async with grpc.aio.insecure_channel(services.target_address) as t, grpc.aio.insecure_channel(services.draft_address) as d:
+        target = await target_pb2_grpc.TargetServiceStub(t).GetInfo(worker_pb2.GetInfoRequest())
+        draft = await draft_pb2_grpc.DraftServiceStub(d).GetInfo(worker_pb2.GetInfoRequest())
+    return target.active_sessions, draft.active_sessions
+
+
+def no_sessions(services) -> bool:
+    return len(services.target.sessions) == 0 and len(services.draft.sessions) == 0
+
+
+def test_finished_requests_free_both_sessions(target_model, draft_models):
+    async def run():
+        async with running_services(TargetEngine(target_model), draft_engine_for(draft_models, 0.5)) as services:
+            await asyncio.gather(*(services.stub.Generate(build_request(PROMPT, max_new_tokens=20, seed=i)) for i in range(8)))
+            assert await wait_for(lambda: no_sessions(services))
+            assert await active_sessions(services) == (0, 0)
+
+    asyncio.run(run())
+
+
+def test_cancelled_stream_frees_both_sessions(target_model, draft_models):
+    async def run():
+        async with running_services(TargetEngine(target_model), draft_engine_for(draft_models, 0.5)) as services:
+            call = services.stub.GenerateStream(build_request(PROMPT, max_new_tokens=2000, ignore_eos=True, temperature=0))
+            await call.read()
+            assert len(services.target.sessions) == 1 and len(services.draft.sessions) == 1
+            call.cancel()
+            assert await wait_for(lambda: no_sessions(services), timeout=5)
+
+    asyncio.run(run())
+
+
+def test_client_deadline_frees_both_sessions(target_model, draft_models):
+    async def run():
+        async with running_services(TargetEngine(target_model), draft_engine_for(draft_models, 0.5)) as services:
+            request = build_request(PROMPT, max_new_tokens=4000, ignore_eos=True, temperature=0)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await services.stub.Generate(request, timeout=0.3)
+            assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert await wait_for(lambda: no_sessions(services), timeout=5)
+
+    asyncio.run(run())
+
+
+class FailingDraftEngine(DraftEngine):
+    """A draft worker whose engine breaks on its third round: a fault injected to fail the request."""
+
+    def step(self, handle, num_accepted, committed, num_tokens):
+        handle.steps = getattr(handle, "steps", 0) + 1
+        if handle.steps == 3:
+            raise RuntimeError("injected draft fault")
+        return super().step(handle, num_accepted, committed, num_tokens)
+
+
+def test_failed_request_frees_both_sessions(target_model, draft_models):
+    async def run():
+        draft = FailingDraftEngine(draft_models[0.5], "failing")
+        async with running_services(TargetEngine(target_model), draft) as services:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await services.stub.Generate(build_request(PROMPT, max_new_tokens=50, ignore_eos=True))
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "draft worker" in error.value.details()
+            assert await wait_for(lambda: no_sessions(services), timeout=5)
+            assert await active_sessions(services) == (0, 0)
+
+    asyncio.run(run())
