@@ -29,7 +29,7 @@ class CachedSequence:
     def forward(self, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         """Feeds token_ids on top of the cache; returns the last logits_to_keep rows as CPU float32 [k, V]."""
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         self.cache_len += len(token_ids)
         return out.logits[0, -logits_to_keep:].float().cpu()
 
