@@ -32,6 +32,7 @@ def add_serve_parser(commands) -> None:
     serve.add_argument(
         "--num-p-entries", type=int, default=0, help="coordinator: top entries of p the target returns per position"
     )
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (/metrics)")
 
 
 def add_generate_parser(commands) -> None:
@@ -48,6 +49,7 @@ def add_generate_parser(commands) -> None:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    generate.add_argument("--explain", action="store_true", help="after the text, print where each round's time went")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
 def run_serve(args) -> int:
     from common.server import configure_logging
 
+    from common.telemetry import setup_telemetry, shutdown_telemetry
+
     configure_logging(args.log_level)
     port = args.port if args.port is not None else DEFAULT_PORTS[args.role]
+    setup_telemetry(f"specdec-{args.role}", args.metrics_port)
+    try:
+        return serve_role(args, port)
+    finally:
+        shutdown_telemetry()
+
+
+def serve_role(args, port: int) -> int:
     if args.role == "target":
         from target_worker.server import serve
 
@@ -104,6 +116,7 @@ def run_serve(args) -> int:
 
 def run_generate(args) -> int:
     from coordinator.client import GenerationClient, response_to_dict
+    from coordinator.explain import explain_table
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     options = dict(
@@ -115,16 +128,22 @@ def run_generate(args) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         num_speculative_tokens=args.gamma,
+        include_rounds=args.explain,
     )
     try:
         with GenerationClient(args.endpoint) as client:
             if args.json:
-                print(json.dumps(response_to_dict(client.generate(prompt, **options))))
-                return 0
-            for message in client.stream(prompt, **options):
-                if message.HasField("delta"):
-                    print(message.delta.text, end="", flush=True)
-            print()
+                response = client.generate(prompt, **options)
+                print(json.dumps(response_to_dict(response)))
+            else:
+                for message in client.stream(prompt, **options):
+                    if message.HasField("delta"):
+                        print(message.delta.text, end="", flush=True)
+                    else:
+                        response = message.final
+                print()
+            if args.explain:
+                print(explain_table(response), file=sys.stderr if args.json else sys.stdout)
     except grpc.RpcError as error:
         print(f"specdec generate: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1

@@ -13,6 +13,8 @@ class Proposal:
     distributions: list[SparseDistribution]
     compute_us: int = 0
     sync_us: int = 0
+    bytes_sent: int = 0  # serialized size of the messages that asked for it and carried it (0 in process)
+    bytes_received: int = 0
 
 
 @dataclass
@@ -26,3 +28,5 @@ class Verdict:
     distributions: list[SparseDistribution] = field(default_factory=list)
     compute_us: int = 0
     sync_us: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0

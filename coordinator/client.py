@@ -32,6 +32,7 @@ def build_request(
     stop: list[str] | None = None,
     ignore_eos: bool = False,
     num_speculative_tokens: int | None = None,
+    include_rounds: bool = False,
 ) -> generation_pb2.GenerateRequest:
     """A request from a prompt string, a list of token ids, or chat messages ({"role", "content"} dicts)."""
     optional = {
@@ -43,7 +44,10 @@ def build_request(
         "num_speculative_tokens": num_speculative_tokens,
     }
     request = generation_pb2.GenerateRequest(
-        stop=stop or [], ignore_eos=ignore_eos, **{k: v for k, v in optional.items() if v is not None}
+        stop=stop or [],
+        ignore_eos=ignore_eos,
+        include_rounds=include_rounds,
+        **{k: v for k, v in optional.items() if v is not None},
     )
     if isinstance(prompt, str):
         request.prompt = prompt
@@ -52,6 +56,9 @@ def build_request(
     else:
         request.prompt_token_ids.token_ids.extend(prompt)
     return request
+
+
+TIME_SPLIT_FIELDS = [f.name for f in generation_pb2.TimeSplit.DESCRIPTOR.fields]
 
 
 def response_to_dict(response: generation_pb2.GenerateResponse) -> dict:
@@ -69,6 +76,7 @@ def response_to_dict(response: generation_pb2.GenerateResponse) -> dict:
             "mean_tokens_per_round": spec.mean_tokens_per_round,
             "num_speculative_tokens": spec.num_speculative_tokens,
         },
+        "time_split_us": {name: getattr(response.time_split, name) for name in TIME_SPLIT_FIELDS},
     }
 
 

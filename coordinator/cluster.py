@@ -1,6 +1,7 @@
 """`specdec up`: the three services as separate local processes, stopped together."""
 
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -42,15 +43,21 @@ class Cluster:
     port: int = 50051
     extra_coordinator_args: list[str] = field(default_factory=list)
     device: str = "cpu"
+    env: dict[str, str] = field(default_factory=dict)  # added to each service's environment (e.g. OTEL_*)
+    log_dir: pathlib.Path | None = None  # each service's output goes to <role>.log there instead of the terminal
     processes: list[subprocess.Popen] = field(default_factory=list)
 
     @property
     def address(self) -> str:
         return f"localhost:{self.port}"
 
-    def spawn(self, *args: str) -> subprocess.Popen:
+    def spawn(self, role: str, *args: str) -> subprocess.Popen:
+        output = open(self.log_dir / f"{role}.log", "wb") if self.log_dir else None  # noqa: SIM115 - the process owns it
         process = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "serve", *args], env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            [sys.executable, "-m", "common.cli", "serve", role, *args],
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
         )
         self.processes.append(process)
         return process
@@ -74,7 +81,9 @@ class Cluster:
         while not is_serving(self.address):
             if any(p.poll() is not None for p in self.processes):
                 self.stop()
-                raise RuntimeError("a service exited during start-up; see its log above")
+                raise RuntimeError(
+                    f"a service exited during start-up; see its log {'in ' + str(self.log_dir) if self.log_dir else 'above'}"
+                )
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"the cluster did not become healthy within {timeout:.0f} s")

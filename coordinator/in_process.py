@@ -1,32 +1,41 @@
 """Workers as in-process engines: the speculation loop without gRPC, to isolate the cost of the split."""
 
+from opentelemetry.context import Context
+
 from common.rounds import Proposal, Verdict
 from common.sampling import SamplingParams, SparseDistribution
+from common.telemetry import call_in_context
 from coordinator.workers import DraftSession, TargetSession, WorkerInfo
 from draft_worker.engine import DraftEngine
 from target_worker.engine import TargetEngine
 
 
 class InProcessTargetSession:
-    def __init__(self, engine: TargetEngine, prompt: list[int], params: SamplingParams, num_p_entries: int):
+    def __init__(
+        self, engine: TargetEngine, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None
+    ):
         self.engine = engine
-        self.session, opened = engine.open_session(prompt, params, num_p_entries)
+        self.session, opened = call_in_context(parent, engine.open_session, prompt, params, num_p_entries)
         self.prefill_us = opened.compute_us
 
-    async def verify(self, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict:
-        return self.engine.verify(self.session, draft_tokens, draft_dists)
+    async def verify(
+        self, draft_tokens: list[int], draft_dists: list[SparseDistribution], parent: Context | None = None
+    ) -> Verdict:
+        return call_in_context(parent, self.engine.verify, self.session, draft_tokens, draft_dists)
 
     async def close(self) -> None:
         self.engine.close_session(self.session)
 
 
 class InProcessDraftSession:
-    def __init__(self, engine: DraftEngine, prompt: list[int], params: SamplingParams, max_q_entries: int):
+    def __init__(
+        self, engine: DraftEngine, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None
+    ):
         self.engine = engine
-        self.handle, _, self.prefill_us = engine.open_session(prompt, params, max_q_entries)
+        self.handle, _, self.prefill_us = call_in_context(parent, engine.open_session, prompt, params, max_q_entries)
 
-    async def step(self, num_accepted: int, committed: list[int], num_tokens: int) -> Proposal:
-        return self.engine.step(self.handle, num_accepted, committed, num_tokens)
+    async def step(self, num_accepted: int, committed: list[int], num_tokens: int, parent: Context | None = None) -> Proposal:
+        return call_in_context(parent, self.engine.step, self.handle, num_accepted, committed, num_tokens)
 
     async def close(self) -> None:
         self.engine.close_session(self.handle)
@@ -43,11 +52,15 @@ class InProcessWorkers:
     async def draft_info(self) -> WorkerInfo | None:
         return WorkerInfo(**self.draft.info()) if self.draft else None
 
-    async def open_target(self, prompt: list[int], params: SamplingParams, num_p_entries: int) -> TargetSession:
-        return InProcessTargetSession(self.target, prompt, params, num_p_entries)
+    async def open_target(
+        self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None = None
+    ) -> TargetSession:
+        return InProcessTargetSession(self.target, prompt, params, num_p_entries, parent)
 
-    async def open_draft(self, prompt: list[int], params: SamplingParams, max_q_entries: int) -> DraftSession:
-        return InProcessDraftSession(self.draft, prompt, params, max_q_entries)
+    async def open_draft(
+        self, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None = None
+    ) -> DraftSession:
+        return InProcessDraftSession(self.draft, prompt, params, max_q_entries, parent)
 
     async def close(self) -> None:
         pass

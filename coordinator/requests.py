@@ -5,7 +5,7 @@ import math
 from common.errors import InvalidArgument
 from common.sampling import SamplingParams
 from common.tokenizer import CHAT_ROLES, Tokenizer
-from coordinator.engine import CoordinatorConfig, GenerationParams, GenerationResult
+from coordinator.engine import CoordinatorConfig, GenerationParams, GenerationResult, RoundRecord, TimeSplit
 from coordinator.output import Delta
 from specdec.v1 import generation_pb2
 
@@ -68,10 +68,28 @@ def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer, con
         num_speculative_tokens=gamma,
         stop=stop,
         ignore_eos=request.ignore_eos,
+        operation="chat" if request.WhichOneof("input") == "messages" else "text_completion",
     )
 
 
-def response_of(result: GenerationResult) -> generation_pb2.GenerateResponse:
+def time_split_of(split: TimeSplit) -> generation_pb2.TimeSplit:
+    return generation_pb2.TimeSplit(**vars(split))
+
+
+def round_of(record: RoundRecord) -> generation_pb2.SpeculationRound:
+    return generation_pb2.SpeculationRound(
+        gamma=record.gamma,
+        drafted=record.drafted,
+        accepted=record.accepted,
+        rollback=record.rollback,
+        committed=record.committed,
+        time_split=time_split_of(record.time_split),
+        bytes_sent=record.bytes_sent,
+        bytes_received=record.bytes_received,
+    )
+
+
+def response_of(result: GenerationResult, include_rounds: bool = False) -> generation_pb2.GenerateResponse:
     return generation_pb2.GenerateResponse(
         text=result.text,
         token_ids=result.token_ids,
@@ -85,12 +103,14 @@ def response_of(result: GenerationResult) -> generation_pb2.GenerateResponse:
             mean_tokens_per_round=result.mean_tokens_per_round,
             num_speculative_tokens=result.num_speculative_tokens,
         ),
+        time_split=time_split_of(result.time_split),
+        rounds=[round_of(r) for r in result.rounds] if include_rounds else [],
     )
 
 
-def stream_message_of(event: Delta | GenerationResult) -> generation_pb2.GenerateStreamResponse:
+def stream_message_of(event: Delta | GenerationResult, include_rounds: bool = False) -> generation_pb2.GenerateStreamResponse:
     if isinstance(event, Delta):
         return generation_pb2.GenerateStreamResponse(
             delta=generation_pb2.GenerateDelta(text=event.text, token_ids=event.token_ids)
         )
-    return generation_pb2.GenerateStreamResponse(final=response_of(event))
+    return generation_pb2.GenerateStreamResponse(final=response_of(event, include_rounds))

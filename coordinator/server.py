@@ -2,10 +2,12 @@
 
 import asyncio
 import logging
+import socket
 
 import grpc
 
 from common.models import load_tokenizer
+from common.telemetry import context_from
 from common.server import abort_with, create_server, run_until_signalled, set_serving
 from coordinator.engine import CoordinatorConfig, GenerationEngine
 from coordinator.requests import params_of, response_of, stream_message_of
@@ -24,17 +26,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(self, request, context):
         try:
             params = params_of(request, self.engine.tokenizer, self.engine.config)
-            return response_of(await self.engine.generate_all(params))
+            result = await self.engine.generate_all(params, client_trace_context(context))
+            return response_of(result, request.include_rounds)
         except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
             await abort_with(context, error)
 
     async def GenerateStream(self, request, context):
         try:
             params = params_of(request, self.engine.tokenizer, self.engine.config)
-            async for event in self.engine.generate(params):
-                yield stream_message_of(event)
+            async for event in self.engine.generate(params, client_trace_context(context)):
+                yield stream_message_of(event, request.include_rounds)
         except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
             await abort_with(context, error)
+
+
+def client_trace_context(context: grpc.aio.ServicerContext):
+    """The caller's trace context from the call's metadata (traceparent), so the request's trace continues it."""
+    return context_from((key, value) for key, value in context.invocation_metadata() or ())
 
 
 class IncompatibleWorkers(Exception):
@@ -78,12 +86,17 @@ async def build_engine(
     return GenerationEngine(workers, tokenizer, target, draft, config)
 
 
+def advertised_host(host: str) -> str:
+    return socket.gethostname() if host in ("0.0.0.0", "::", "[::]") else host
+
+
 async def start_coordinator_server(
     engine: GenerationEngine, port: int = 0, host: str = "127.0.0.1"
 ) -> tuple[grpc.aio.Server, int]:
     server, health_servicer, bound = await create_server([SERVICE_NAME], port, host)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine), server)
     await server.start()
+    engine.config.server_address, engine.config.server_port = host, bound
     await set_serving(health_servicer, [SERVICE_NAME], True)
     return server, bound
 
@@ -101,6 +114,7 @@ async def serve(
     if draft:
         await wait_until_serving(draft, startup_timeout)
     workers = GrpcWorkers(target, draft)
+    config.server_address, config.server_port = advertised_host(host), port
     engine = await build_engine(workers, config, tokenizer)
     server, health_servicer, bound = await create_server([SERVICE_NAME], port, host)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine), server)

@@ -4,6 +4,8 @@ import asyncio
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import propagate
+from opentelemetry.context import Context
 
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from common.protocol import distribution_from_proto, distribution_to_proto, sampling_to_proto
@@ -42,7 +44,10 @@ class StreamSession:
         self.call = call
         self.prefill_us = 0
 
-    async def exchange(self, request):
+    async def exchange(self, request, parent: Context | None):
+        """Sends one message carrying the parent span's trace context; returns the answer and both sizes in bytes."""
+        if parent is not None:
+            propagate.inject(request.trace_context, context=parent)
         try:
             await self.call.write(request)
             response = await self.call.read()
@@ -50,7 +55,7 @@ class StreamSession:
             raise error_from_rpc(error, self.worker) from None
         if response is grpc.aio.EOF:
             raise error_from_status(await self.call.code(), await self.call.details(), self.worker)
-        return response
+        return response, request.ByteSize(), response.ByteSize()
 
     async def close(self) -> None:
         """Half-closes the stream so that the worker frees the session, and waits for it to finish."""
@@ -73,19 +78,24 @@ def raise_if_cancelled() -> None:
 class GrpcTargetSession(StreamSession):
     worker = "target"
 
-    async def open(self, prompt: list[int], params: SamplingParams, num_p_entries: int) -> "GrpcTargetSession":
+    async def open(
+        self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None
+    ) -> "GrpcTargetSession":
         start = target_pb2.VerifySessionStart(
             prompt_token_ids=prompt, sampling=sampling_to_proto(params), num_p_entries=num_p_entries
         )
-        response = await self.exchange(target_pb2.VerifyRequest(start=start))
+        response, _, _ = await self.exchange(target_pb2.VerifyRequest(start=start), parent)
         self.prefill_us = response.started.timing.compute_us
         return self
 
-    async def verify(self, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict:
+    async def verify(
+        self, draft_tokens: list[int], draft_dists: list[SparseDistribution], parent: Context | None = None
+    ) -> Verdict:
         step = target_pb2.VerifyStep(
             draft_token_ids=draft_tokens, draft_distributions=[distribution_to_proto(d) for d in draft_dists]
         )
-        result = (await self.exchange(target_pb2.VerifyRequest(step=step))).result
+        response, sent, received = await self.exchange(target_pb2.VerifyRequest(step=step), parent)
+        result = response.result
         return Verdict(
             num_accepted=result.num_accepted,
             next_token=result.next_token_id,
@@ -94,28 +104,35 @@ class GrpcTargetSession(StreamSession):
             distributions=[distribution_from_proto(d) for d in result.distributions],
             compute_us=result.timing.compute_us,
             sync_us=result.timing.sync_us,
+            bytes_sent=sent,
+            bytes_received=received,
         )
 
 
 class GrpcDraftSession(StreamSession):
     worker = "draft"
 
-    async def open(self, prompt: list[int], params: SamplingParams, max_q_entries: int) -> "GrpcDraftSession":
+    async def open(
+        self, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None
+    ) -> "GrpcDraftSession":
         start = draft_pb2.DraftSessionStart(
             prompt_token_ids=prompt, sampling=sampling_to_proto(params), max_q_entries=max_q_entries
         )
-        response = await self.exchange(draft_pb2.DraftRequest(start=start))
+        response, _, _ = await self.exchange(draft_pb2.DraftRequest(start=start), parent)
         self.prefill_us = response.started.timing.compute_us
         return self
 
-    async def step(self, num_accepted: int, committed: list[int], num_tokens: int) -> Proposal:
+    async def step(self, num_accepted: int, committed: list[int], num_tokens: int, parent: Context | None = None) -> Proposal:
         step = draft_pb2.DraftStep(num_accepted=num_accepted, committed_token_ids=committed, num_tokens=num_tokens)
-        proposal = (await self.exchange(draft_pb2.DraftRequest(step=step))).proposal
+        response, sent, received = await self.exchange(draft_pb2.DraftRequest(step=step), parent)
+        proposal = response.proposal
         return Proposal(
             token_ids=list(proposal.token_ids),
             distributions=[distribution_from_proto(d) for d in proposal.distributions],
             compute_us=proposal.timing.compute_us,
             sync_us=proposal.timing.sync_us,
+            bytes_sent=sent,
+            bytes_received=received,
         )
 
 
@@ -140,13 +157,17 @@ class GrpcWorkers:
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error, worker) from None
 
-    async def open_target(self, prompt: list[int], params: SamplingParams, num_p_entries: int) -> GrpcTargetSession:
+    async def open_target(
+        self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None = None
+    ) -> GrpcTargetSession:
         session = GrpcTargetSession(self.target_stub.Verify())
-        return await opened_or_closed(session, session.open(prompt, params, num_p_entries))
+        return await opened_or_closed(session, session.open(prompt, params, num_p_entries, parent))
 
-    async def open_draft(self, prompt: list[int], params: SamplingParams, max_q_entries: int) -> GrpcDraftSession:
+    async def open_draft(
+        self, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None = None
+    ) -> GrpcDraftSession:
         session = GrpcDraftSession(self.draft_stub.Draft())
-        return await opened_or_closed(session, session.open(prompt, params, max_q_entries))
+        return await opened_or_closed(session, session.open(prompt, params, max_q_entries, parent))
 
     async def close(self) -> None:
         await self.target_channel.close()

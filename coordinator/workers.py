@@ -1,5 +1,8 @@
 """How the coordinator talks to the two workers: one open session per worker and request.
 
+Each call takes the trace context (parent) of the coordinator span it belongs to, so that the worker's spans
+join the request's trace under the right round.
+
 Two implementations share one interface: gRPC streams to the worker services (coordinator.worker_clients), and
 direct calls on in-process engines (coordinator.in_process), which runs the same speculation loop without
 the network for tests and benchmarks.
@@ -7,6 +10,8 @@ the network for tests and benchmarks.
 
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from opentelemetry.context import Context
 
 from common.rounds import Proposal, Verdict
 from common.sampling import SamplingParams, SparseDistribution
@@ -28,7 +33,7 @@ class WorkerInfo:
 class DraftSession(Protocol):
     prefill_us: int
 
-    async def step(self, num_accepted: int, committed: list[int], num_tokens: int) -> Proposal: ...
+    async def step(self, num_accepted: int, committed: list[int], num_tokens: int, parent: Context | None = None) -> Proposal: ...
 
     async def close(self) -> None: ...
 
@@ -36,7 +41,9 @@ class DraftSession(Protocol):
 class TargetSession(Protocol):
     prefill_us: int
 
-    async def verify(self, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict: ...
+    async def verify(
+        self, draft_tokens: list[int], draft_dists: list[SparseDistribution], parent: Context | None = None
+    ) -> Verdict: ...
 
     async def close(self) -> None: ...
 
@@ -46,8 +53,12 @@ class Workers(Protocol):
 
     async def draft_info(self) -> WorkerInfo | None: ...
 
-    async def open_target(self, prompt: list[int], params: SamplingParams, num_p_entries: int) -> TargetSession: ...
+    async def open_target(
+        self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None = None
+    ) -> TargetSession: ...
 
-    async def open_draft(self, prompt: list[int], params: SamplingParams, max_q_entries: int) -> DraftSession: ...
+    async def open_draft(
+        self, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None = None
+    ) -> DraftSession: ...
 
     async def close(self) -> None: ...

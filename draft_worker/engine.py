@@ -21,6 +21,8 @@ from common.sampling import (
     truncate_probs,
 )
 from common.sessions import SessionRegistry
+from common.telemetry import tracer
+from common.worker_metrics import WorkerMetrics
 from common.validation import check_prompt, check_sampling, check_token_ids
 from draft_worker.ngram import find_continuation
 
@@ -113,6 +115,7 @@ class DraftEngine:
         self.ngram = ngram
         self.default_max_q_entries = default_max_q_entries
         self.sessions: SessionRegistry[DraftSessionHandle] = SessionRegistry(max_sessions)
+        self.metrics = WorkerMetrics("draft", self.sessions)
 
     @property
     def vocab_size(self) -> int:
@@ -139,7 +142,11 @@ class DraftEngine:
             state = ModelDraftSession(self.loaded.model, prompt, params, max_q_entries or self.default_max_q_entries)
         else:
             state = NgramDraftSession(prompt, *self.ngram)
-        cached = state.prefill()
+        with tracer().start_as_current_span(
+            "prefill", attributes={"specdec.worker": "draft", "specdec.prompt_tokens": len(prompt)}
+        ):
+            cached = state.prefill()
+        self.metrics.record_forward("prefill", time.perf_counter() - start)
         handle = DraftSessionHandle(session_id, state)
         self.sessions.add(session_id, handle)
         return handle, cached, elapsed_us(start)
@@ -160,11 +167,18 @@ class DraftEngine:
                 raise InvalidArgument("step.num_tokens", f"the sequence would exceed the draft's context of {limit} tokens")
         handle.last_active = time.monotonic()
         sync_start = time.perf_counter()
-        state.sync(num_accepted, committed)
+        with tracer().start_as_current_span(
+            "kv.rollback", attributes={"specdec.worker": "draft", "specdec.accepted": num_accepted}
+        ):
+            state.sync(num_accepted, committed)
         sync_us = elapsed_us(sync_start)
+        self.metrics.record_rollback(sync_us / 1e6)
         start = time.perf_counter()
-        proposal = state.propose(num_tokens) if num_tokens else Proposal([], [])
+        with tracer().start_as_current_span("draft.propose", attributes={"specdec.gamma": num_tokens}) as span:
+            proposal = state.propose(num_tokens) if num_tokens else Proposal([], [])
+            span.set_attribute("specdec.drafted", len(proposal.token_ids))
         proposal.compute_us, proposal.sync_us = elapsed_us(start), sync_us
+        self.metrics.record_forward("propose", proposal.compute_us / 1e6)
         return proposal
 
     def close_session(self, handle: DraftSessionHandle) -> None:

@@ -8,6 +8,7 @@ import grpc
 from common.errors import InvalidArgument
 from common.models import load_model
 from common.protocol import distribution_to_proto, info_to_proto, sampling_from_proto, timing_to_proto
+from common.telemetry import run_traced
 from common.server import abort_with, compute_executor, create_server, require_loaded, run_until_signalled, set_serving
 from draft_worker.engine import DraftEngine
 from draft_worker.ngram import is_ngram, parse_ngram
@@ -22,9 +23,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.engine = engine  # None while the model loads: calls are answered UNAVAILABLE
         self.executor = compute_executor()
 
-    async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
     async def Draft(self, request_iterator, context):
         handle = None
         try:
@@ -35,7 +33,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     if kind != "start":
                         raise InvalidArgument("start", "the first message of a stream must open the session")
                     start = request.start
-                    handle, cached, compute_us = await self.run(
+                    handle, cached, compute_us = await run_traced(
+                        self.executor,
+                        request.trace_context,
                         self.engine.open_session,
                         list(start.prompt_token_ids),
                         sampling_from_proto(start.sampling),
@@ -50,8 +50,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 if kind != "step":
                     raise InvalidArgument("step", "the session is already open; send steps")
                 step = request.step
-                proposal = await self.run(
-                    self.engine.step, handle, step.num_accepted, list(step.committed_token_ids), step.num_tokens
+                proposal = await run_traced(
+                    self.executor,
+                    request.trace_context,
+                    self.engine.step,
+                    handle,
+                    step.num_accepted,
+                    list(step.committed_token_ids),
+                    step.num_tokens,
                 )
                 yield draft_pb2.DraftResponse(
                     proposal=draft_pb2.DraftProposal(

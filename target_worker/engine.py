@@ -21,6 +21,8 @@ from common.sampling import (
     verify_draft,
 )
 from common.sessions import SessionRegistry
+from common.telemetry import tracer
+from common.worker_metrics import WorkerMetrics
 from common.validation import check_distribution, check_prompt, check_sampling, check_token_ids
 
 
@@ -45,6 +47,7 @@ class TargetEngine:
     def __init__(self, loaded: LoadedModel, max_sessions: int = 64):
         self.loaded = loaded
         self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions)
+        self.metrics = WorkerMetrics("target", self.sessions)
 
     def open_session(
         self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0
@@ -56,7 +59,11 @@ class TargetEngine:
         session_id = self.sessions.reserve()
         start = time.perf_counter()
         sequence = CachedSequence(self.loaded.model, prompt)
-        sequence.prefill()
+        with tracer().start_as_current_span(
+            "prefill", attributes={"specdec.worker": "target", "specdec.prompt_tokens": len(prompt)}
+        ):
+            sequence.prefill()
+        self.metrics.record_forward("prefill", time.perf_counter() - start)
         session = TargetSession(session_id, sequence, params, make_generator(params.seed, "target"), num_p_entries)
         self.sessions.add(session_id, session)
         return session, SessionOpened(session_id, sequence.cache_len, elapsed_us(start))
@@ -83,15 +90,22 @@ class TargetEngine:
         start = time.perf_counter()
         sequence = session.sequence
         gamma = len(draft_tokens)
-        logits = sequence.forward(sequence.pending() + draft_tokens, gamma + 1)
-        probs = logits_to_probs(logits, session.params)
-        num_accepted, next_token = verify_draft(probs, draft_tokens, draft_dists, session.params, session.generator)
-        draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
-        distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
+        with tracer().start_as_current_span("target.verify", attributes={"specdec.gamma": gamma}) as span:
+            logits = sequence.forward(sequence.pending() + draft_tokens, gamma + 1)
+            probs = logits_to_probs(logits, session.params)
+            num_accepted, next_token = verify_draft(probs, draft_tokens, draft_dists, session.params, session.generator)
+            draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
+            distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
+            span.set_attributes({"specdec.accepted": num_accepted, "specdec.rollback": gamma - num_accepted})
         compute_us = elapsed_us(start)
+        self.metrics.record_forward("verify", compute_us / 1e6)
         sync_start = time.perf_counter()
-        sequence.rollback(len(sequence.tokens) + num_accepted)
+        with tracer().start_as_current_span(
+            "kv.rollback", attributes={"specdec.worker": "target", "specdec.rollback": gamma - num_accepted}
+        ):
+            sequence.rollback(len(sequence.tokens) + num_accepted)
         sync_us = elapsed_us(sync_start)
+        self.metrics.record_rollback(sync_us / 1e6)
         sequence.tokens += draft_tokens[:num_accepted] + [next_token]
         return Verdict(num_accepted, next_token, gamma - num_accepted, draft_token_probs, distributions, compute_us, sync_us)
 

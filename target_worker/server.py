@@ -8,6 +8,7 @@ import grpc
 from common.errors import InvalidArgument
 from common.models import load_model
 from common.protocol import distribution_from_proto, distribution_to_proto, info_to_proto, sampling_from_proto, timing_to_proto
+from common.telemetry import run_traced
 from common.server import abort_with, require_loaded, compute_executor, create_server, run_until_signalled, set_serving
 from specdec.v1 import target_pb2, target_pb2_grpc, worker_pb2
 from target_worker.engine import TargetEngine
@@ -21,9 +22,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.engine = engine  # None while the model loads: calls are answered UNAVAILABLE
         self.executor = compute_executor()
 
-    async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
     async def Verify(self, request_iterator, context):
         session = None
         try:
@@ -34,7 +32,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     if kind != "start":
                         raise InvalidArgument("start", "the first message of a stream must open the session")
                     start = request.start
-                    session, opened = await self.run(
+                    session, opened = await run_traced(
+                        self.executor,
+                        request.trace_context,
                         self.engine.open_session,
                         list(start.prompt_token_ids),
                         sampling_from_proto(start.sampling),
@@ -51,7 +51,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 if kind != "step":
                     raise InvalidArgument("step", "the session is already open; send steps")
                 step = request.step
-                outcome = await self.run(
+                outcome = await run_traced(
+                    self.executor,
+                    request.trace_context,
                     self.engine.verify,
                     session,
                     list(step.draft_token_ids),

@@ -28,12 +28,21 @@ class DraftStep(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("start", "step")
+    __slots__ = ("start", "step", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     START_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     start: DraftSessionStart
     step: DraftStep
-    def __init__(self, start: _Optional[_Union[DraftSessionStart, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, start: _Optional[_Union[DraftSessionStart, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("token_ids", "distributions", "timing")

@@ -39,7 +39,7 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "prompt_token_ids", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop", "ignore_eos", "num_speculative_tokens")
+    __slots__ = ("prompt", "messages", "prompt_token_ids", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop", "ignore_eos", "num_speculative_tokens", "include_rounds")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
     prompt_token_ids: TokenIds
@@ -62,7 +63,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
     num_speculative_tokens: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    include_rounds: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., include_rounds: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -89,18 +91,60 @@ class SpeculationStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage", "speculation")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "speculation", "time_split", "rounds")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    TIME_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     usage: Usage
     speculation: SpeculationStats
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ...) -> None: ...
+    time_split: TimeSplit
+    rounds: _containers.RepeatedCompositeFieldContainer[SpeculationRound]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., rounds: _Optional[_Iterable[_Union[SpeculationRound, _Mapping]]] = ...) -> None: ...
+
+class TimeSplit(_message.Message):
+    __slots__ = ("prefill_us", "draft_us", "verify_us", "sync_us", "network_us", "coordinator_us", "total_us")
+    PREFILL_US_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_US_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_US_FIELD_NUMBER: _ClassVar[int]
+    SYNC_US_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_US_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_US_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_US_FIELD_NUMBER: _ClassVar[int]
+    prefill_us: int
+    draft_us: int
+    verify_us: int
+    sync_us: int
+    network_us: int
+    coordinator_us: int
+    total_us: int
+    def __init__(self, prefill_us: _Optional[int] = ..., draft_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., network_us: _Optional[int] = ..., coordinator_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
+
+class SpeculationRound(_message.Message):
+    __slots__ = ("gamma", "drafted", "accepted", "rollback", "committed", "time_split", "bytes_sent", "bytes_received")
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    TIME_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    gamma: int
+    drafted: int
+    accepted: int
+    rollback: int
+    committed: int
+    time_split: TimeSplit
+    bytes_sent: int
+    bytes_received: int
+    def __init__(self, gamma: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., rollback: _Optional[int] = ..., committed: _Optional[int] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -26,12 +26,21 @@ class VerifyStep(_message.Message):
     def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_worker_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("start", "step")
+    __slots__ = ("start", "step", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     START_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     start: VerifySessionStart
     step: VerifyStep
-    def __init__(self, start: _Optional[_Union[VerifySessionStart, _Mapping]] = ..., step: _Optional[_Union[VerifyStep, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, start: _Optional[_Union[VerifySessionStart, _Mapping]] = ..., step: _Optional[_Union[VerifyStep, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("num_accepted", "next_token_id", "rollback", "draft_token_probs", "distributions", "timing")

