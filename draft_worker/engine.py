@@ -166,12 +166,12 @@ class DraftEngine:
             if limit and len(state.tokens) + num_accepted + len(committed) + num_tokens > limit:
                 raise InvalidArgument("step.num_tokens", f"the sequence would exceed the draft's context of {limit} tokens")
         handle.last_active = time.monotonic()
-        sync_start = time.perf_counter()
         with tracer().start_as_current_span(
             "kv.rollback", attributes={"specdec.worker": "draft", "specdec.accepted": num_accepted}
         ):
+            sync_start = time.perf_counter()
             state.sync(num_accepted, committed)
-        sync_us = elapsed_us(sync_start)
+            sync_us = elapsed_us(sync_start)
         self.metrics.record_rollback(sync_us / 1e6)
         start = time.perf_counter()
         with tracer().start_as_current_span("draft.propose", attributes={"specdec.gamma": num_tokens}) as span:

@@ -99,12 +99,12 @@ class TargetEngine:
             span.set_attributes({"specdec.accepted": num_accepted, "specdec.rollback": gamma - num_accepted})
         compute_us = elapsed_us(start)
         self.metrics.record_forward("verify", compute_us / 1e6)
-        sync_start = time.perf_counter()
         with tracer().start_as_current_span(
             "kv.rollback", attributes={"specdec.worker": "target", "specdec.rollback": gamma - num_accepted}
         ):
+            sync_start = time.perf_counter()
             sequence.rollback(len(sequence.tokens) + num_accepted)
-        sync_us = elapsed_us(sync_start)
+            sync_us = elapsed_us(sync_start)
         self.metrics.record_rollback(sync_us / 1e6)
         sequence.tokens += draft_tokens[:num_accepted] + [next_token]
         return Verdict(num_accepted, next_token, gamma - num_accepted, draft_token_probs, distributions, compute_us, sync_us)
