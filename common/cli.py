@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 import grpc
@@ -33,6 +34,38 @@ def add_serve_parser(commands) -> None:
         "--num-p-entries", type=int, default=0, help="coordinator: top entries of p the target returns per position"
     )
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (/metrics)")
+    serve.add_argument("--grace-period", type=float, default=30.0, help="on SIGTERM, seconds in-flight calls get to finish")
+    serve.add_argument("--session-idle-timeout", type=float, default=600.0, help="worker: close a stream silent this long")
+    serve.add_argument("--max-concurrent-requests", type=int, default=256, help="coordinator: more get RESOURCE_EXHAUSTED")
+    serve.add_argument("--draft-timeout", type=float, default=2.0, help="coordinator: per-round deadline of the draft worker (s)")
+    serve.add_argument(
+        "--target-timeout", type=float, default=60.0, help="coordinator: per-round deadline of the target worker (s)"
+    )
+    serve.add_argument(
+        "--target-retry-window",
+        type=float,
+        default=30.0,
+        help="coordinator: how long a request keeps reopening a failed target session (s)",
+    )
+    env = os.environ.get
+    tls = serve.add_argument_group(
+        "TLS", "PEM files; a server given --tls-ca requires client certificates signed by it (mutual TLS)"
+    )
+    tls.add_argument("--tls-cert", default=env("SPECDEC_TLS_CERT"), help="this server's certificate (env SPECDEC_TLS_CERT)")
+    tls.add_argument("--tls-key", default=env("SPECDEC_TLS_KEY"), help="its private key (env SPECDEC_TLS_KEY)")
+    tls.add_argument(
+        "--tls-ca", default=env("SPECDEC_TLS_CA"), help="CA that client certificates must chain to (env SPECDEC_TLS_CA)"
+    )
+    tls.add_argument(
+        "--worker-tls-cert", default=env("SPECDEC_WORKER_TLS_CERT"), help="coordinator: client certificate for the workers"
+    )
+    tls.add_argument("--worker-tls-key", default=env("SPECDEC_WORKER_TLS_KEY"), help="coordinator: its private key")
+    tls.add_argument("--worker-tls-ca", default=env("SPECDEC_WORKER_TLS_CA"), help="coordinator: CA of the workers' certificates")
+    serve.add_argument(
+        "--auth-token",
+        default=env("SPECDEC_AUTH_TOKEN"),
+        help="coordinator: require 'authorization: Bearer TOKEN' (env SPECDEC_AUTH_TOKEN)",
+    )
 
 
 def add_generate_parser(commands) -> None:
@@ -50,6 +83,11 @@ def add_generate_parser(commands) -> None:
     generate.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     generate.add_argument("--explain", action="store_true", help="after the text, print where each round's time went")
+    generate.add_argument("--token", default=os.environ.get("SPECDEC_AUTH_TOKEN"), help="bearer token (env SPECDEC_AUTH_TOKEN)")
+    generate.add_argument(
+        "--tls-ca", default=os.environ.get("SPECDEC_TLS_CA"), help="CA of the coordinator's certificate (enables TLS)"
+    )
+    generate.add_argument("--timeout", type=float, help="seconds before the request is abandoned")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,17 +122,23 @@ def run_serve(args) -> int:
 
 
 def serve_role(args, port: int) -> int:
+    from common.server import ServerOptions
+    from common.tls import TlsFiles
+
+    options = ServerOptions(
+        port, args.host, TlsFiles(args.tls_cert, args.tls_key, args.tls_ca), args.grace_period, args.session_idle_timeout
+    )
     if args.role == "target":
         from target_worker.server import serve
 
-        asyncio.run(serve(args.model or "smollm2-135m", port, args.device, args.dtype, args.max_sessions, args.host))
+        asyncio.run(serve(args.model or "smollm2-135m", options, args.device, args.dtype, args.max_sessions))
     elif args.role == "draft":
         from draft_worker.server import serve
 
-        asyncio.run(serve(args.model or "ngram", port, args.device, args.dtype, args.max_sessions, args.max_q_entries, args.host))
+        asyncio.run(serve(args.model or "ngram", options, args.device, args.dtype, args.max_sessions, args.max_q_entries))
     else:
-        from coordinator.engine import CoordinatorConfig
-        from coordinator.server import IncompatibleWorkers, serve
+        from coordinator.engine import CoordinatorConfig, IncompatibleWorkers
+        from coordinator.server import serve
 
         if not args.target:
             print("specdec serve coordinator: --target host:port is required", file=sys.stderr)
@@ -105,9 +149,24 @@ def serve_role(args, port: int) -> int:
             default_max_new_tokens=args.default_max_new_tokens,
             max_new_tokens_cap=args.max_new_tokens_cap,
             num_p_entries=args.num_p_entries,
+            draft_timeout=args.draft_timeout,
+            target_timeout=args.target_timeout,
+            target_retry_window=args.target_retry_window,
         )
+        worker_tls = TlsFiles(args.worker_tls_cert, args.worker_tls_key, args.worker_tls_ca)
         try:
-            asyncio.run(serve(args.target, args.draft, port, config, args.tokenizer, args.host))
+            asyncio.run(
+                serve(
+                    args.target,
+                    args.draft,
+                    options,
+                    config,
+                    args.tokenizer,
+                    worker_tls,
+                    args.max_concurrent_requests,
+                    args.auth_token,
+                )
+            )
         except IncompatibleWorkers as error:
             print(f"specdec coordinator refuses to start: {error}", file=sys.stderr)
             return 3
@@ -131,7 +190,7 @@ def run_generate(args) -> int:
         include_rounds=args.explain,
     )
     try:
-        with GenerationClient(args.endpoint) as client:
+        with GenerationClient(args.endpoint, timeout=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:
             if args.json:
                 response = client.generate(prompt, **options)
                 print(json.dumps(response_to_dict(response)))

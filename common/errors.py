@@ -23,3 +23,15 @@ class Unavailable(SpecdecError):
 
 class FailedPrecondition(SpecdecError):
     """The request does not fit the state of its session, e.g. a step before the session was opened."""
+
+
+class DeadlineExceeded(SpecdecError):
+    """A time limit passed: an idle session was reclaimed, or a request ran out of time."""
+
+
+class Unauthenticated(SpecdecError):
+    """The call carried no valid credentials."""
+
+
+class WorkerFailed(SpecdecError):
+    """A worker answered with an error of its own (a bug, not a fault of the request or of the network)."""

@@ -1,16 +1,25 @@
-"""What every specdec gRPC server has: message size limits, health, reflection, and a compute thread."""
+"""What every specdec gRPC server has: message size limits, TLS, health, reflection, graceful shutdown, the
+mapping of engine errors to status codes, and (for the workers) one stream = one session."""
 
 import asyncio
 import concurrent.futures
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-# One speculation round carries at most a few hundred sparse entries; prompts are the largest messages.
+from common import errors
+from common.services import add_service, check_parsed
+from common.telemetry import run_traced
+from common.tls import TlsFiles, server_credentials
+
+# One speculation round carries at most a few hundred sparse entries; prompts are the largest messages. 16 MiB
+# holds a prompt of millions of tokens while keeping one request from exhausting a worker's memory.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -19,23 +28,54 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# A restarted worker is found again within a second, not after gRPC's default backoff of up to two minutes.
+CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 log = logging.getLogger("specdec")
 
+STATUS_CODES = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.WorkerFailed: grpc.StatusCode.INTERNAL,
+}
+
+
+@dataclass
+class ServerOptions:
+    port: int = 0
+    host: str = "0.0.0.0"
+    tls: TlsFiles = field(default_factory=TlsFiles)
+    grace_period: float = 30.0  # on SIGTERM: seconds in-flight calls get to finish
+    session_idle_timeout: float = 600.0  # workers: a stream with no message for this long is closed
+
 
 async def create_server(
-    service_names: list[str], port: int, host: str = "0.0.0.0"
+    service: ServiceDescriptor, servicer, options: ServerOptions
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """A server with health (NOT_SERVING until the caller says otherwise) and reflection, bound to port (0: any)."""
+    """A server with the servicer, health (NOT_SERVING until the caller says otherwise) and reflection."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
+    add_service(server, servicer, service)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection([service.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     # grpc's health servicer starts with the overall status SERVING; ours is SERVING only once a model is loaded.
-    await set_serving(health_servicer, service_names, False)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    await set_serving(health_servicer, [service.full_name], False)
+    address = f"{options.host}:{options.port}"
+    if options.tls.enabled:
+        bound = server.add_secure_port(address, server_credentials(options.tls))
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not bind {address}")
     return server, health_servicer, bound
 
 
@@ -50,44 +90,111 @@ def compute_executor() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
 
+class Lifecycle:
+    """Draining on SIGTERM: new calls are refused while the in-flight ones finish."""
+
+    def __init__(self, in_flight: Callable[[], int] = lambda: 0):
+        self.in_flight = in_flight
+        self.draining = False
+
+    def admit(self) -> None:
+        if self.draining:
+            raise errors.Unavailable("shutting down: not accepting new requests; retry on another instance")
+
+
 async def run_until_signalled(
-    server: grpc.aio.Server, on_stop: Callable[[], Awaitable[None]] | None = None, grace: float = 5.0
+    server: grpc.aio.Server, health_servicer, service_names: list[str], grace: float, lifecycle: Lifecycle
 ) -> None:
+    """Serves until SIGTERM or SIGINT; then reports NOT_SERVING, refuses new calls, lets in-flight ones finish for
+    up to `grace` seconds, and stops."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    if on_stop:
-        await on_stop()
-    await server.stop(grace)
+    lifecycle.draining = True
+    await set_serving(health_servicer, service_names, False)
+    log.info("stopping: NOT_SERVING, %d in flight, waiting up to %.0f s for them", lifecycle.in_flight(), grace)
+    deadline = loop.time() + grace
+    while lifecycle.in_flight() > 0 and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(1.0)
+    log.info("stopped")
 
 
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def status_code_of(error: Exception) -> grpc.StatusCode:
-    from common import errors
-
-    return {
-        errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-        errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-        errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-        errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    }.get(type(error), grpc.StatusCode.INTERNAL)
-
-
 async def abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
     """Ends the call with the status that fits the engine's error; unexpected errors are logged as INTERNAL."""
-    code = status_code_of(error)
+    code = STATUS_CODES.get(type(error), grpc.StatusCode.INTERNAL)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error", exc_info=error)
     await context.abort(code, str(error) or type(error).__name__)
 
 
 def require_loaded(engine: object) -> None:
-    from common.errors import Unavailable
-
     if engine is None:
-        raise Unavailable("the model is still loading; wait for the health check to report SERVING")
+        raise errors.Unavailable("the model is still loading; wait for the health check to report SERVING")
+
+
+async def messages_until_idle(request_iterator, idle_timeout: float):
+    """The stream's messages; a stream silent for idle_timeout seconds is ended so that its session is reclaimed."""
+    iterator = request_iterator.__aiter__()
+    while True:
+        try:
+            message = await asyncio.wait_for(iterator.__anext__(), idle_timeout)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise errors.DeadlineExceeded(f"session idle for {idle_timeout:.0f} s; its cache was freed") from None
+        yield message
+
+
+class SessionStreamServicer:
+    """One bidirectional stream is one session: the first message opens it, each later one is a step, and the
+    session is freed when the stream ends for any reason (finished, failed, cancelled, idle)."""
+
+    def __init__(self, engine=None, idle_timeout: float = 600.0):
+        self.engine = engine  # None while the model loads: calls are answered UNAVAILABLE
+        self.idle_timeout = idle_timeout
+        self.executor = compute_executor()
+        self.lifecycle = Lifecycle(lambda: len(self.engine.sessions) if self.engine else 0)
+
+    async def run(self, request, fn, *args):
+        """Runs an engine call on the compute thread, under the trace context the message carried."""
+        return await run_traced(self.executor, request.trace_context, fn, *args)
+
+    async def open(self, request):
+        """Opens a session from a start message; returns (session, response)."""
+        raise NotImplementedError
+
+    async def step(self, session, request):
+        raise NotImplementedError
+
+    def close(self, session) -> None:
+        raise NotImplementedError
+
+    async def session_stream(self, request_iterator, context):
+        session = None
+        try:
+            require_loaded(self.engine)
+            async for request in messages_until_idle(request_iterator, self.idle_timeout):
+                check_parsed(request)
+                kind = request.WhichOneof("kind")
+                if session is None:
+                    if kind != "start":
+                        raise errors.InvalidArgument("start", "the first message of a stream must open the session")
+                    self.lifecycle.admit()
+                    session, response = await self.open(request)
+                    yield response
+                elif kind != "step":
+                    raise errors.InvalidArgument("step", "the session is already open; send steps")
+                else:
+                    yield await self.step(session, request)
+        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
+            await abort_with(context, error)
+        finally:
+            if session is not None:
+                self.close(session)

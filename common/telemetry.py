@@ -77,12 +77,19 @@ def setup_telemetry(default_service_name: str, metrics_port: int | None = None) 
 def instrument_grpc() -> None:
     from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer, filters
 
-    # GenerationService is left out on purpose: the coordinator opens the request's root span itself, named and
-    # attributed by the GenAI conventions, continuing the client's trace context from the call's metadata.
+    # Left out on the server side, on purpose:
+    # - GenerationService: the coordinator opens the request's root span itself, named and attributed by the GenAI
+    #   conventions, continuing the client's trace context from the call's metadata.
+    # - the workers' session streams (Draft, Verify): one span would cover a whole request, the per-message spans
+    #   (prefill, draft.propose, target.verify, kv.rollback) carry the worker side, and grpc.aio finalizes a
+    #   cancelled stream's handler in another context, which makes the interceptor log "Failed to detach context"
+    #   (open-telemetry/opentelemetry-python-contrib#2357). The coordinator's client spans still cover the streams.
     untraced = filters.any_of(
         filters.health_check(),
         filters.service_prefix("grpc.reflection"),
         filters.service_name("specdec.v1.GenerationService"),
+        filters.full_method_name("/specdec.v1.DraftService/Draft"),
+        filters.full_method_name("/specdec.v1.TargetService/Verify"),
     )
     GrpcAioInstrumentorServer(filter_=filters.negate(untraced)).instrument()
     GrpcAioInstrumentorClient(

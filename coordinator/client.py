@@ -75,23 +75,33 @@ def response_to_dict(response: generation_pb2.GenerateResponse) -> dict:
             "acceptance_rate": spec.acceptance_rate,
             "mean_tokens_per_round": spec.mean_tokens_per_round,
             "num_speculative_tokens": spec.num_speculative_tokens,
+            "fallback_reason": spec.fallback_reason,
         },
         "time_split_us": {name: getattr(response.time_split, name) for name in TIME_SPLIT_FIELDS},
     }
 
 
 class GenerationClient:
-    def __init__(self, endpoint: str = "localhost:50051", timeout: float | None = None):
-        self.channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
+    """token: the coordinator's bearer token, if it requires one; tls_ca: the CA of its certificate (enables TLS)."""
+
+    def __init__(
+        self, endpoint: str = "localhost:50051", timeout: float | None = None, token: str | None = None, tls_ca: str | None = None
+    ):
+        if tls_ca:
+            with open(tls_ca, "rb") as f:
+                self.channel = grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(f.read()), options=GRPC_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.timeout = timeout
+        self.metadata = [("authorization", f"Bearer {token}")] if token else None
 
     def generate(self, prompt, **kwargs) -> generation_pb2.GenerateResponse:
-        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        return self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata)
 
     def stream(self, prompt, **kwargs) -> Iterator[generation_pb2.GenerateStreamResponse]:
         """Yields GenerateStreamResponse messages: deltas (.delta) and finally the whole result (.final)."""
-        yield from self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout)
+        yield from self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

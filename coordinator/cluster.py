@@ -42,17 +42,21 @@ class Cluster:
     draft_model: str | None = None
     port: int = 50051
     extra_coordinator_args: list[str] = field(default_factory=list)
+    extra_worker_args: list[str] = field(default_factory=list)
     device: str = "cpu"
     env: dict[str, str] = field(default_factory=dict)  # added to each service's environment (e.g. OTEL_*)
     log_dir: pathlib.Path | None = None  # each service's output goes to <role>.log there instead of the terminal
     processes: list[subprocess.Popen] = field(default_factory=list)
+    by_role: dict[str, subprocess.Popen] = field(default_factory=dict)
+    commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
         return f"localhost:{self.port}"
 
     def spawn(self, role: str, *args: str) -> subprocess.Popen:
-        output = open(self.log_dir / f"{role}.log", "wb") if self.log_dir else None  # noqa: SIM115 - the process owns it
+        self.commands[role] = args
+        output = open(self.log_dir / f"{role}.log", "ab") if self.log_dir else None  # noqa: SIM115 - the process owns it
         process = subprocess.Popen(
             [sys.executable, "-m", "common.cli", "serve", role, *args],
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
@@ -60,13 +64,26 @@ class Cluster:
             stderr=subprocess.STDOUT if output else None,
         )
         self.processes.append(process)
+        self.by_role[role] = process
         return process
+
+    def kill(self, role: str) -> None:
+        """SIGKILL, as a crash would: no graceful shutdown (for fault-injection tests)."""
+        self.by_role[role].kill()
+        self.by_role[role].wait()
+
+    def restart(self, role: str) -> subprocess.Popen:
+        """Starts the role again on the same port, with the same arguments."""
+        return self.spawn(role, *self.commands[role])
 
     def start(self, timeout: float = 600) -> None:
         draft_model = self.draft_model or default_draft_for(self.target_model)
         target_port, draft_port = free_port(), free_port()
-        self.spawn("target", "--model", self.target_model, "--port", str(target_port), "--device", self.device)
-        self.spawn("draft", "--model", draft_model, "--port", str(draft_port), "--device", self.device)
+        self.target_address, self.draft_address = f"localhost:{target_port}", f"localhost:{draft_port}"
+        self.spawn(
+            "target", "--model", self.target_model, "--port", str(target_port), "--device", self.device, *self.extra_worker_args
+        )
+        self.spawn("draft", "--model", draft_model, "--port", str(draft_port), "--device", self.device, *self.extra_worker_args)
         self.spawn(
             "coordinator",
             "--port",

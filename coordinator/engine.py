@@ -13,25 +13,28 @@ yields between rounds.
 
 import asyncio
 import contextlib
+import hashlib
+import logging
 import time
-from dataclasses import dataclass, field
-from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, Unavailable
 from common.rounds import Proposal
 from common.sampling import SamplingParams
 from common.telemetry import tracer
 from common.tokenizer import Tokenizer
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.output import Delta, OutputTracker
+from coordinator.output import OutputTracker
 from coordinator.workers import DraftSession, TargetSession, WorkerInfo, Workers
 from specdec.v1 import generation_pb2
 
 PROVIDER = "specdec"
+log = logging.getLogger("specdec.coordinator")
+DEADLINE_MARGIN = 0.25  # seconds
 FINISH_REASON_NAMES = {
     generation_pb2.FINISH_REASON_LENGTH: "length",
     generation_pb2.FINISH_REASON_EOS: "stop",
@@ -94,6 +97,7 @@ class GenerationResult:
     num_speculative_tokens: int
     rounds: list[RoundRecord]
     time_split: TimeSplit
+    fallback_reason: str = ""
 
     @property
     def drafted_tokens(self) -> int:
@@ -122,6 +126,12 @@ class CoordinatorConfig:
     num_p_entries: int = 0
     server_address: str = "localhost"
     server_port: int = 0
+    draft_timeout: float = 2.0  # per-round deadline of the draft worker; missing it turns speculation off
+    draft_retry_initial: float = 0.5  # first pause before a failed draft worker is tried again, doubling
+    draft_retry_max: float = 30.0
+    target_timeout: float = 60.0  # per-round deadline of the target worker
+    target_retry_window: float = 30.0  # how long a request keeps reopening a failed target session
+    max_target_retries: int = 10
 
 
 def elapsed_us(start: float, end: float) -> int:
@@ -147,6 +157,43 @@ def span_context(span: trace.Span) -> Context:
     return trace.set_span_in_context(span)
 
 
+class DraftAvailability:
+    """When to try the draft worker again after it failed: exponentially growing pauses, reset by a success."""
+
+    def __init__(self, initial: float = 0.5, maximum: float = 30.0):
+        self.initial, self.maximum = initial, maximum
+        self.delay = 0.0
+        self.retry_at = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.retry_at
+
+    def failed(self) -> None:
+        self.delay = min(max(2 * self.delay, self.initial), self.maximum)
+        self.retry_at = time.monotonic() + self.delay
+
+    def succeeded(self) -> None:
+        self.delay, self.retry_at = 0.0, 0.0
+
+
+class IncompatibleWorkers(Exception):
+    """The draft and target cannot work together."""
+
+
+def check_pair(target: WorkerInfo, draft: WorkerInfo | None, tokenizer_fingerprint: str) -> None:
+    if tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise IncompatibleWorkers(
+            f"the coordinator's tokenizer ({tokenizer_fingerprint}) differs from the target worker's "
+            f"({target.model_name}, {target.tokenizer_fingerprint}); pass --tokenizer with the target's model"
+        )
+    if draft is not None and draft.tokenizer_fingerprint and draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise IncompatibleWorkers(
+            f"draft model {draft.model_name!r} and target model {target.model_name!r} use different tokenizers "
+            f"(fingerprints {draft.tokenizer_fingerprint} and {target.tokenizer_fingerprint}); "
+            "speculative decoding needs both to share one vocabulary"
+        )
+
+
 class GenerationEngine:
     def __init__(
         self, workers: Workers, tokenizer: Tokenizer, target: WorkerInfo, draft: WorkerInfo | None, config: CoordinatorConfig
@@ -154,9 +201,11 @@ class GenerationEngine:
         self.workers = workers
         self.tokenizer = tokenizer
         self.target = target
-        self.draft = draft
+        self.draft = draft  # None until a configured draft worker has answered GetInfo
+        self.draft_disabled = False
         self.config = config
         self.metrics = CoordinatorMetrics()
+        self.draft_availability = DraftAvailability(config.draft_retry_initial, config.draft_retry_max)
 
     @property
     def max_context_length(self) -> int:
@@ -198,20 +247,32 @@ class GenerationEngine:
             attributes["gen_ai.request.seed"] = sampling.seed
         return attributes
 
-    async def open_sessions(self, params: GenerationParams, parent: Context) -> tuple[TargetSession, DraftSession | None]:
-        """Opens (and prefills) both sessions concurrently; a failure closes whichever opened."""
-        opening = [self.workers.open_target(params.prompt_token_ids, params.sampling, self.config.num_p_entries, parent)]
-        if params.num_speculative_tokens > 0 and self.draft is not None:
-            opening.append(self.workers.open_draft(params.prompt_token_ids, params.sampling, self.config.max_q_entries, parent))
-        results = await asyncio.gather(*opening, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await asyncio.gather(*(r.close() for r in results if not isinstance(r, BaseException)), return_exceptions=True)
-            raise errors[0]
-        return results[0], (results[1] if len(results) > 1 else None)
+    async def connect_draft(self) -> bool:
+        """True when the draft worker can be used now: known, compatible, and not backing off after a failure."""
+        if not self.workers.has_draft or self.draft_disabled or not self.draft_availability.ready():
+            return False
+        if self.draft is not None:
+            return True
+        try:
+            draft = await asyncio.wait_for(self.workers.draft_info(), self.config.draft_timeout)
+            check_pair(self.target, draft, self.tokenizer.fingerprint)
+        except IncompatibleWorkers as error:
+            log.error("draft worker disabled: %s", error)
+            self.draft_disabled = True
+            return False
+        except Exception as error:  # noqa: BLE001 - an absent draft only costs speed
+            log.warning("draft worker unavailable (%s); serving target-only, retrying in a while", error)
+            self.draft_availability.failed()
+            return False
+        self.draft = draft
+        log.info("draft worker %s connected", draft.model_name)
+        return True
 
-    async def generate(self, params: GenerationParams, parent: Context | None = None) -> AsyncIterator[Delta | GenerationResult]:
-        """Yields deltas as rounds commit tokens, then the GenerationResult."""
+    async def generate(self, params: GenerationParams, parent: Context | None = None, time_limit: float | None = None):
+        """Yields deltas as rounds commit tokens, then the GenerationResult.
+
+        time_limit: seconds the caller still waits (its gRPC deadline); bounds the retries after a worker failure.
+        """
         started = time.perf_counter()
         self.check(params)
         root = tracer().start_span(
@@ -220,9 +281,9 @@ class GenerationEngine:
             kind=SpanKind.SERVER,
             attributes=self.root_attributes(params),
         )
-        root_context = span_context(root)
+        run = RequestRun(self, params, root, started, time_limit)
         try:
-            async for event in self.run_rounds(params, root, root_context, started):
+            async for event in run.events():
                 yield event
         except BaseException as error:
             root.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
@@ -231,55 +292,186 @@ class GenerationEngine:
         finally:
             root.end()
 
-    async def run_rounds(self, params: GenerationParams, root: trace.Span, root_context: Context, started: float):
+    async def generate_all(self, params: GenerationParams, parent: Context | None = None, time_limit: float | None = None):
+        async for event in self.generate(params, parent, time_limit):
+            if isinstance(event, GenerationResult):
+                return event
+        raise RuntimeError("generation ended without a result")
+
+
+def derived_seed(seed: int | None, generation: int) -> int | None:
+    """The seed of a reopened target session: a fresh random stream, so no uniform is used twice in a request."""
+    if seed is None or generation == 0:
+        return seed
+    digest = hashlib.blake2b(f"reopen:{generation}:{seed}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class RequestRun:
+    """One request's sessions and rounds, including what happens when a worker fails.
+
+    A failing or slow draft only costs speed: the request continues target-only (same output for greedy). A failed
+    target session is reopened with the prompt and every committed token re-prefilled, within the request's time
+    limit; nothing already streamed is repeated or lost, since only committed tokens are ever streamed.
+    """
+
+    def __init__(
+        self, engine: GenerationEngine, params: GenerationParams, root: trace.Span, started: float, time_limit: float | None
+    ):
+        self.engine = engine
+        self.config = engine.config
+        self.params = params
+        self.root = root
+        self.root_context = span_context(root)
+        self.started = started
+        self.deadline = time.monotonic() + time_limit if time_limit is not None else None
+        self.target: TargetSession | None = None
+        self.draft: DraftSession | None = None
+        self.target_generation = 0
+        self.fallback_reason = ""
         context_room = (
-            self.max_context_length - len(params.prompt_token_ids) if self.max_context_length else params.max_new_tokens
+            engine.max_context_length - len(params.prompt_token_ids) if engine.max_context_length else params.max_new_tokens
         )
-        output = OutputTracker(
-            self.tokenizer,
+        self.output = OutputTracker(
+            engine.tokenizer,
             max_new_tokens=min(params.max_new_tokens, context_room),
             stop=params.stop,
-            eos_token_ids=self.target.eos_token_ids,
+            eos_token_ids=engine.target.eos_token_ids,
             ignore_eos=params.ignore_eos,
         )
+
+    def fall_back(self, reason: str, error: BaseException | None = None) -> None:
+        """Continues without speculation: a span event, a metric, and a pause before the draft is tried again."""
+        detail = f"{type(error).__name__}: {error}" if error else reason
+        self.fallback_reason = self.fallback_reason or reason
+        self.root.add_event("speculation.fallback", {"specdec.fallback.reason": reason, "exception.message": detail})
+        self.engine.metrics.record_fallback(reason)
+        if error is not None:
+            log.warning("draft worker failed (%s); finishing the request target-only", detail)
+            self.engine.draft_availability.failed()
+        if self.draft is not None:
+            asyncio.ensure_future(close_all(self.draft))
+        self.draft = None
+
+    async def open_target(self, committed: list[int], parent: Context, first_error: BaseException | None = None) -> None:
+        """(Re)opens the target session on prompt + committed tokens, retrying with backoff within the time limit."""
+        until = time.monotonic() + self.config.target_retry_window
+        if self.deadline is not None:
+            # Answer UNAVAILABLE a moment before the caller's own deadline, so it learns what failed.
+            until = min(until, self.deadline - DEADLINE_MARGIN)
+        delay, attempts, last_error = 0.1, 0, first_error
+        while True:
+            sampling = replace(self.params.sampling, seed=derived_seed(self.params.sampling.seed, self.target_generation))
+            remaining = until - time.monotonic()
+            try:
+                opening = self.engine.workers.open_target(
+                    self.params.prompt_token_ids + committed, sampling, self.config.num_p_entries, parent
+                )
+                self.target = await asyncio.wait_for(opening, max(0.05, min(remaining, self.config.target_timeout)))
+                return
+            except (Unavailable, asyncio.TimeoutError) as error:
+                last_error, attempts = error, attempts + 1
+            self.target_generation += 1
+            if attempts > self.config.max_target_retries or time.monotonic() + delay >= until:
+                raise Unavailable(
+                    f"target worker unavailable: {attempts} attempts to open a session failed "
+                    f"(last: {type(last_error).__name__}: {last_error or 'timed out'})"
+                )
+            self.root.add_event("target.retry", {"specdec.attempt": attempts, "exception.message": str(last_error)})
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
+
+    async def open_sessions(self, parent: Context) -> None:
+        """Opens (and prefills) both sessions concurrently. A draft that cannot open only turns speculation off."""
+        use_draft = self.params.num_speculative_tokens > 0 and await self.engine.connect_draft()
+        if self.params.num_speculative_tokens > 0 and not use_draft:
+            self.fall_back("draft_unavailable" if self.engine.workers.has_draft else "no_draft_worker")
+        draft_opening = None
+        if use_draft:
+            draft_opening = asyncio.ensure_future(
+                self.engine.workers.open_draft(
+                    self.params.prompt_token_ids, self.params.sampling, self.config.max_q_entries, parent
+                )
+            )
+        try:
+            await self.open_target([], parent)
+        except BaseException:
+            if draft_opening is not None:
+                draft_opening.cancel()
+                await close_all(*(await asyncio.gather(draft_opening, return_exceptions=True)))
+            raise
+        if draft_opening is not None:
+            # Both prefill concurrently; the draft gets its round deadline beyond the target's prefill.
+            try:
+                self.draft = await asyncio.wait_for(draft_opening, self.config.draft_timeout)
+                self.engine.draft_availability.succeeded()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
+                self.fall_back("draft_open_failed", error)
+
+    async def propose(self, num_accepted: int, committed: list[int], g: int, parent: Context) -> Proposal | None:
+        """The draft's proposal, or None once the draft has failed or missed its per-round deadline."""
+        try:
+            return await asyncio.wait_for(self.draft.step(num_accepted, committed, g, parent), self.config.draft_timeout)
+        except asyncio.TimeoutError as error:
+            self.fall_back("draft_timeout", error)
+        except Exception as error:  # noqa: BLE001 - a failing draft only costs speed
+            self.fall_back("draft_failed", error)
+        return None
+
+    async def verify(self, proposal: Proposal | None, parent: Context):
+        """The target's verdict; a failed target session is reopened and the same proposal verified again."""
+        drafted = proposal.token_ids if proposal else []
+        dists = proposal.distributions if proposal else []
+        while True:
+            try:
+                return await asyncio.wait_for(self.target.verify(drafted, dists, parent), self.config.target_timeout)
+            except (Unavailable, asyncio.TimeoutError) as error:
+                log.warning("target session failed (%s); reopening it on %d committed tokens", error, len(self.output.token_ids))
+                self.root.add_event("target.reopen", {"exception.message": f"{type(error).__name__}: {error}"})
+                await close_all(self.target)
+                self.target_generation += 1
+                await self.open_target(self.output.token_ids, parent, error)
+
+    async def events(self):
         totals = TimeSplit()
-        prefill_span = tracer().start_span("prefill", context=root_context)
+        prefill_span = tracer().start_span("prefill", context=self.root_context)
         opened = time.perf_counter()
         try:
-            target, draft = await self.open_sessions(params, span_context(prefill_span))
+            await self.open_sessions(span_context(prefill_span))
         finally:
             prefill_span.end()
         totals.prefill_us = elapsed_us(opened, time.perf_counter())
-        if params.num_speculative_tokens > 0 and draft is None:
-            self.metrics.record_fallback("no_draft_worker")
-        gamma = params.num_speculative_tokens if draft else 0
+        gamma = self.params.num_speculative_tokens if self.draft else 0
         rounds: list[RoundRecord] = []
         first_token_at = None
+        output = self.output
         try:
             # The verdict the draft has not heard of yet: accepted count of its last proposal, then committed tokens.
             unsent_accepted, unsent_committed = 0, []
             round_start = time.perf_counter()
             while not output.finished:
-                g = min(gamma, output.remaining - 1)
-                round_span = tracer().start_span("speculate", context=root_context, attributes={"specdec.gamma": g})
+                g = min(gamma, output.remaining - 1) if self.draft else 0
+                round_span = tracer().start_span("speculate", context=self.root_context, attributes={"specdec.gamma": g})
                 round_context = span_context(round_span)
                 proposal = None
                 t0 = time.perf_counter()
-                if draft is not None and g > 0:
+                if g > 0:
                     draft_span = tracer().start_span("draft", context=round_context)
                     try:
-                        proposal = await draft.step(unsent_accepted, unsent_committed, g, span_context(draft_span))
+                        proposal = await self.propose(unsent_accepted, unsent_committed, g, span_context(draft_span))
                     finally:
                         draft_span.end()
                     unsent_accepted, unsent_committed = 0, []
                 t1 = time.perf_counter()
-                drafted = proposal.token_ids if proposal else []
                 verify_span = tracer().start_span("verify", context=round_context)
                 try:
-                    verdict = await target.verify(drafted, proposal.distributions if proposal else [], span_context(verify_span))
+                    verdict = await self.verify(proposal, span_context(verify_span))
                 finally:
                     verify_span.end()
                 t2 = time.perf_counter()
+                drafted = proposal.token_ids if proposal else []
                 committed = drafted[: verdict.num_accepted] + [verdict.next_token]
                 if proposal is not None:
                     unsent_accepted, unsent_committed = verdict.num_accepted, [verdict.next_token]
@@ -310,39 +502,36 @@ class GenerationEngine:
                 round_span.end()
         finally:
             closing = time.perf_counter()
-            await asyncio.shield(close_all(target, draft))
+            await asyncio.shield(close_all(self.target, self.draft))
             totals.coordinator_us += elapsed_us(closing, time.perf_counter())
         finished = time.perf_counter()
-        totals.total_us = elapsed_us(started, finished)
-        totals.coordinator_us += elapsed_us(started, opened)
+        totals.total_us = elapsed_us(self.started, finished)
+        totals.coordinator_us += elapsed_us(self.started, opened)
         result = GenerationResult(
             text=output.text,
             token_ids=output.token_ids,
             finish_reason=output.finish_reason,
-            prompt_tokens=len(params.prompt_token_ids),
+            prompt_tokens=len(self.params.prompt_token_ids),
             num_speculative_tokens=gamma,
             rounds=rounds,
             time_split=totals,
+            fallback_reason=self.fallback_reason,
         )
-        root.set_attributes(
+        self.root.set_attributes(
             {
                 "gen_ai.usage.output_tokens": len(output.token_ids),
                 "gen_ai.response.finish_reasons": [FINISH_REASON_NAMES.get(output.finish_reason, "unknown")],
-                "gen_ai.response.model": self.target.model_name,
+                "gen_ai.response.model": self.engine.target.model_name,
                 "specdec.rounds": len(rounds),
                 "specdec.drafted_tokens": result.drafted_tokens,
                 "specdec.accepted_tokens": result.accepted_tokens,
                 **totals.attributes("specdec.time"),
             }
         )
-        self.metrics.record_request(params, result, self.target.model_name, first_token_at, started, finished)
+        self.engine.metrics.record_request(
+            self.params, result, self.engine.target.model_name, first_token_at, self.started, finished
+        )
         yield result
-
-    async def generate_all(self, params: GenerationParams, parent: Context | None = None) -> GenerationResult:
-        async for event in self.generate(params, parent):
-            if isinstance(event, GenerationResult):
-                return event
-        raise RuntimeError("generation ended without a result")
 
 
 def round_attributes(record: RoundRecord) -> dict:
@@ -359,5 +548,8 @@ def round_attributes(record: RoundRecord) -> dict:
 
 
 async def close_all(*sessions) -> None:
+    """Closes whichever of the sessions exist (exceptions, e.g. from a failed opening, are skipped)."""
     with contextlib.suppress(Exception):
-        await asyncio.gather(*(s.close() for s in sessions if s is not None), return_exceptions=True)
+        await asyncio.gather(
+            *(s.close() for s in sessions if s is not None and not isinstance(s, BaseException)), return_exceptions=True
+        )

@@ -45,6 +45,7 @@ class InProcessWorkers:
     def __init__(self, target: TargetEngine, draft: DraftEngine | None):
         self.target = target
         self.draft = draft
+        self.has_draft = draft is not None
 
     async def target_info(self) -> WorkerInfo:
         return WorkerInfo(**self.target.info())

@@ -102,6 +102,7 @@ def response_of(result: GenerationResult, include_rounds: bool = False) -> gener
             acceptance_rate=result.acceptance_rate,
             mean_tokens_per_round=result.mean_tokens_per_round,
             num_speculative_tokens=result.num_speculative_tokens,
+            fallback_reason=result.fallback_reason,
         ),
         time_split=time_split_of(result.time_split),
         rounds=[round_of(r) for r in result.rounds] if include_rounds else [],

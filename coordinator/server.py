@@ -1,43 +1,30 @@
-"""GenerationService over gRPC: a thin servicer over GenerationEngine, and the coordinator's start-up checks."""
+"""GenerationService over gRPC: a thin servicer over GenerationEngine, admission (authentication and the
+concurrent-request cap), and the coordinator's start-up checks."""
 
 import asyncio
+import contextlib
+import hmac
 import logging
 import socket
 
 import grpc
 
+from common.errors import ResourceExhausted, Unauthenticated
 from common.models import load_tokenizer
+from common.server import Lifecycle, ServerOptions, abort_with, create_server, run_until_signalled, set_serving
+from common.services import check_parsed
 from common.telemetry import context_from
-from common.server import abort_with, create_server, run_until_signalled, set_serving
-from coordinator.engine import CoordinatorConfig, GenerationEngine
+from common.tls import TlsFiles
+from coordinator.engine import CoordinatorConfig, GenerationEngine, IncompatibleWorkers, check_pair
 from coordinator.requests import params_of, response_of, stream_message_of
 from coordinator.worker_clients import GrpcWorkers, wait_until_serving
 from coordinator.workers import WorkerInfo, Workers
-from specdec.v1 import generation_pb2, generation_pb2_grpc
+from specdec.v1 import generation_pb2
 
-SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 log = logging.getLogger("specdec.coordinator")
 
-
-class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, engine: GenerationEngine):
-        self.engine = engine
-
-    async def Generate(self, request, context):
-        try:
-            params = params_of(request, self.engine.tokenizer, self.engine.config)
-            result = await self.engine.generate_all(params, client_trace_context(context))
-            return response_of(result, request.include_rounds)
-        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
-            await abort_with(context, error)
-
-    async def GenerateStream(self, request, context):
-        try:
-            params = params_of(request, self.engine.tokenizer, self.engine.config)
-            async for event in self.engine.generate(params, client_trace_context(context)):
-                yield stream_message_of(event, request.include_rounds)
-        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
-            await abort_with(context, error)
+__all__ = ["IncompatibleWorkers", "build_engine", "serve", "start_coordinator_server"]
 
 
 def client_trace_context(context: grpc.aio.ServicerContext):
@@ -45,44 +32,83 @@ def client_trace_context(context: grpc.aio.ServicerContext):
     return context_from((key, value) for key, value in context.invocation_metadata() or ())
 
 
-class IncompatibleWorkers(Exception):
-    """The draft and target cannot work together; the coordinator refuses to start."""
+class GenerationServicer:
+    def __init__(self, engine: GenerationEngine, max_concurrent_requests: int = 256, auth_token: str | None = None):
+        self.engine = engine
+        self.max_concurrent_requests = max_concurrent_requests
+        self.auth_token = auth_token
+        self.active_requests = 0
+        self.lifecycle = Lifecycle(lambda: self.active_requests)
+
+    def authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.auth_token:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        presented = metadata.get("authorization", "")
+        if not hmac.compare_digest(presented.encode(), f"Bearer {self.auth_token}".encode()):
+            raise Unauthenticated("authorization: send the metadata 'authorization: Bearer <token>' with a valid token")
+
+    @contextlib.contextmanager
+    def admitted(self, request, context: grpc.aio.ServicerContext):
+        """Checks credentials and capacity before any work; holds a request slot while the request runs."""
+        self.authenticate(context)
+        self.lifecycle.admit()
+        check_parsed(request)
+        if self.active_requests >= self.max_concurrent_requests:
+            raise ResourceExhausted(
+                f"the coordinator is serving its maximum of {self.max_concurrent_requests} concurrent requests; retry later"
+            )
+        self.active_requests += 1
+        try:
+            yield params_of(request, self.engine.tokenizer, self.engine.config)
+        finally:
+            self.active_requests -= 1
+
+    async def Generate(self, request, context):
+        try:
+            with self.admitted(request, context) as params:
+                result = await self.engine.generate_all(params, client_trace_context(context), context.time_remaining())
+                return response_of(result, request.include_rounds)
+        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
+            await abort_with(context, error)
+
+    async def GenerateStream(self, request, context):
+        try:
+            with self.admitted(request, context) as params:
+                async for event in self.engine.generate(params, client_trace_context(context), context.time_remaining()):
+                    yield stream_message_of(event, request.include_rounds)
+        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
+            await abort_with(context, error)
 
 
-def check_pair(target: WorkerInfo, draft: WorkerInfo | None, tokenizer_fingerprint: str) -> None:
-    if tokenizer_fingerprint != target.tokenizer_fingerprint:
-        raise IncompatibleWorkers(
-            f"the coordinator's tokenizer ({tokenizer_fingerprint}) differs from the target worker's "
-            f"({target.model_name}, {target.tokenizer_fingerprint}); pass --tokenizer with the target's model"
-        )
-    if draft is not None and draft.tokenizer_fingerprint and draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
-        raise IncompatibleWorkers(
-            f"draft model {draft.model_name!r} and target model {target.model_name!r} use different tokenizers "
-            f"(fingerprints {draft.tokenizer_fingerprint} and {target.tokenizer_fingerprint}); "
-            "speculative decoding needs both to share one vocabulary"
-        )
-
-
-def default_gamma_for(draft: WorkerInfo | None) -> int:
+def default_gamma_for(has_draft: bool) -> int:
     """4 draft tokens per round, or none without a draft.
 
     Measured here (SmolLM2-135M, CPU): verifying 5 tokens costs less than verifying 2 or 3, because the CPU matmul
     kernels change at 4 rows, so gamma 4 beats gamma 2 even for prompt lookup.
     """
-    return 4 if draft is not None else 0
+    return 4 if has_draft else 0
 
 
 async def build_engine(
-    workers: Workers, config: CoordinatorConfig, tokenizer_spec: str | None = None, tokenizer=None
+    workers: Workers, config: CoordinatorConfig, tokenizer_spec: str | None = None, tokenizer=None, draft_timeout: float = 10.0
 ) -> GenerationEngine:
-    """Reads both workers' info, loads the target's tokenizer and refuses an incompatible pair."""
+    """Reads both workers' info, loads the target's tokenizer and refuses an incompatible pair.
+
+    The target must answer; a draft worker that does not is connected later, by the first requests after it is up.
+    """
     target = await workers.target_info()
-    draft = await workers.draft_info()
+    draft: WorkerInfo | None = None
+    if workers.has_draft:
+        try:
+            draft = await asyncio.wait_for(workers.draft_info(), draft_timeout)
+        except Exception as error:  # noqa: BLE001 - the coordinator serves target-only until the draft is up
+            log.warning("draft worker not reachable at start-up (%s); serving target-only until it is", error)
     if tokenizer is None:
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_spec or target.model_name)
     check_pair(target, draft, tokenizer.fingerprint)
     if config.default_num_speculative_tokens is None:
-        config.default_num_speculative_tokens = default_gamma_for(draft)
+        config.default_num_speculative_tokens = default_gamma_for(workers.has_draft)
     return GenerationEngine(workers, tokenizer, target, draft, config)
 
 
@@ -90,43 +116,52 @@ def advertised_host(host: str) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "::", "[::]") else host
 
 
-async def start_coordinator_server(
-    engine: GenerationEngine, port: int = 0, host: str = "127.0.0.1"
-) -> tuple[grpc.aio.Server, int]:
-    server, health_servicer, bound = await create_server([SERVICE_NAME], port, host)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine), server)
+async def launch(engine: GenerationEngine, options: ServerOptions, max_concurrent_requests: int, auth_token: str | None):
+    servicer = GenerationServicer(engine, max_concurrent_requests, auth_token)
+    server, health_servicer, bound = await create_server(SERVICE, servicer, options)
     await server.start()
-    engine.config.server_address, engine.config.server_port = host, bound
-    await set_serving(health_servicer, [SERVICE_NAME], True)
+    engine.config.server_address, engine.config.server_port = advertised_host(options.host), bound
+    await set_serving(health_servicer, [SERVICE.full_name], True)
+    return server, health_servicer, bound, servicer.lifecycle
+
+
+async def start_coordinator_server(
+    engine: GenerationEngine,
+    options: ServerOptions | None = None,
+    max_concurrent_requests: int = 256,
+    auth_token: str | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """The GenerationService over an engine, in the running event loop (used by tests and benchmarks)."""
+    server, _, bound, _ = await launch(engine, options or ServerOptions(host="127.0.0.1"), max_concurrent_requests, auth_token)
     return server, bound
 
 
 async def serve(
     target: str,
     draft: str | None,
-    port: int,
+    options: ServerOptions,
     config: CoordinatorConfig,
     tokenizer: str | None = None,
-    host: str = "0.0.0.0",
+    worker_tls: TlsFiles | None = None,
+    max_concurrent_requests: int = 256,
+    auth_token: str | None = None,
     startup_timeout: float = 600,
 ) -> None:
-    await wait_until_serving(target, startup_timeout)
+    await wait_until_serving(target, startup_timeout, worker_tls)
     if draft:
-        await wait_until_serving(draft, startup_timeout)
-    workers = GrpcWorkers(target, draft)
-    config.server_address, config.server_port = advertised_host(host), port
+        # The draft gets a little longer than the target to come up; after that the coordinator starts without it.
+        with contextlib.suppress(Exception):
+            await wait_until_serving(draft, 15, worker_tls)
+    workers = GrpcWorkers(target, draft, worker_tls)
     engine = await build_engine(workers, config, tokenizer)
-    server, health_servicer, bound = await create_server([SERVICE_NAME], port, host)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(engine), server)
-    await server.start()
-    await set_serving(health_servicer, [SERVICE_NAME], True)
+    server, health_servicer, bound, lifecycle = await launch(engine, options, max_concurrent_requests, auth_token)
     log.info(
         "coordinator serving on port %d: target %s (%s), draft %s, gamma %d",
         bound,
         engine.target.model_name,
         target,
-        engine.draft.model_name if engine.draft else "none",
+        engine.draft.model_name if engine.draft else (f"{draft} (not connected yet)" if draft else "none"),
         config.default_num_speculative_tokens,
     )
-    await run_until_signalled(server, lambda: set_serving(health_servicer, [SERVICE_NAME], False))
+    await run_until_signalled(server, health_servicer, [SERVICE.full_name], options.grace_period, lifecycle)
     await workers.close()

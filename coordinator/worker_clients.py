@@ -7,11 +7,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
-from common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from common.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerFailed
 from common.protocol import distribution_from_proto, distribution_to_proto, sampling_to_proto
 from common.rounds import Proposal, Verdict
 from common.sampling import SamplingParams, SparseDistribution
-from common.server import GRPC_OPTIONS
+from common.server import CHANNEL_OPTIONS
+from common.tls import TlsFiles, channel_credentials
 from coordinator.workers import WorkerInfo
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, worker_pb2
 
@@ -27,12 +28,18 @@ def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> Exception:
 
 
 def error_from_status(code: grpc.StatusCode, details: str | None, worker: str) -> Exception:
-    """A worker's failure as the coordinator's own error, saying which worker failed and how."""
+    """A worker's failure as the coordinator's own error, saying which worker failed and how.
+
+    Only transport-level failures (UNAVAILABLE, a worker gone or restarting) are Unavailable, which the coordinator
+    retries; an error the worker itself reports is not retried.
+    """
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument(worker, details or "rejected")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhausted(f"{worker} worker: {details}")
-    return Unavailable(f"{worker} worker: {details or code.name}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return Unavailable(f"{worker} worker: {details or code.name}")
+    return WorkerFailed(f"{worker} worker failed: {code.name}: {details}")
 
 
 class StreamSession:
@@ -136,12 +143,20 @@ class GrpcDraftSession(StreamSession):
         )
 
 
+def open_channel(address: str, tls: TlsFiles | None) -> grpc.aio.Channel:
+    """A channel to a worker: mutual TLS when certificate files are given, plain otherwise."""
+    if tls is not None and tls.enabled:
+        return grpc.aio.secure_channel(address, channel_credentials(tls), options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
 class GrpcWorkers:
     """Channels to a target worker and, optionally, a draft worker."""
 
-    def __init__(self, target_address: str, draft_address: str | None):
-        self.target_channel = grpc.aio.insecure_channel(target_address, options=GRPC_OPTIONS)
-        self.draft_channel = grpc.aio.insecure_channel(draft_address, options=GRPC_OPTIONS) if draft_address else None
+    def __init__(self, target_address: str, draft_address: str | None, tls: TlsFiles | None = None):
+        self.target_channel = open_channel(target_address, tls)
+        self.draft_channel = open_channel(draft_address, tls) if draft_address else None
+        self.has_draft = draft_address is not None
         self.target_stub = target_pb2_grpc.TargetServiceStub(self.target_channel)
         self.draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel) if self.draft_channel else None
 
@@ -160,7 +175,8 @@ class GrpcWorkers:
     async def open_target(
         self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None = None
     ) -> GrpcTargetSession:
-        session = GrpcTargetSession(self.target_stub.Verify())
+        # wait_for_ready: a target worker that is restarting is waited for (within the caller's timeout), not failed.
+        session = GrpcTargetSession(self.target_stub.Verify(wait_for_ready=True))
         return await opened_or_closed(session, session.open(prompt, params, num_p_entries, parent))
 
     async def open_draft(
@@ -183,10 +199,10 @@ async def opened_or_closed(session: StreamSession, opening):
         raise
 
 
-async def wait_until_serving(address: str, timeout: float) -> None:
+async def wait_until_serving(address: str, timeout: float, tls: TlsFiles | None = None) -> None:
     """Polls the standard health service until the server reports SERVING (its model is loaded)."""
     deadline = asyncio.get_running_loop().time() + timeout
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -49,6 +49,8 @@ class TargetSession(Protocol):
 
 
 class Workers(Protocol):
+    has_draft: bool  # a draft worker is configured (it may still be down)
+
     async def target_info(self) -> WorkerInfo: ...
 
     async def draft_info(self) -> WorkerInfo | None: ...

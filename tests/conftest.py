@@ -91,3 +91,30 @@ async def wait_for(condition, timeout: float = 5.0) -> bool:
             return False
         await asyncio.sleep(0.02)
     return True
+
+
+class BackgroundServices:
+    """running_services in a thread of its own, for tests that call the services with blocking clients."""
+
+    def __init__(self, target: TargetEngine, draft: DraftEngine | None, config: CoordinatorConfig | None = None):
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.stopping = None
+        self.thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(self.serve(target, draft, config),), daemon=True
+        )
+        self.thread.start()
+        assert self.ready.wait(60), "services did not start"
+
+    async def serve(self, target, draft, config):
+        self.stopping = asyncio.Event()
+        async with running_services(target, draft, config) as services:
+            self.services = services
+            self.ready.set()
+            await self.stopping.wait()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.stopping.set)
+        self.thread.join(30)

@@ -6,7 +6,6 @@ import grpc
 import pytest
 
 from coordinator.client import build_request
-from draft_worker.engine import DraftEngine
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc, worker_pb2
 from target_worker.engine import TargetEngine
 from tests.conftest import draft_engine_for, running_services, wait_for
@@ -60,24 +59,23 @@ def test_client_deadline_frees_both_sessions(target_model, draft_models):
     asyncio.run(run())
 
 
-class FailingDraftEngine(DraftEngine):
-    """A draft worker whose engine breaks on its third round: a fault injected to fail the request."""
+class FailingTargetEngine(TargetEngine):
+    """A target worker whose engine breaks on its third round: a fault injected to fail the request."""
 
-    def step(self, handle, num_accepted, committed, num_tokens):
-        handle.steps = getattr(handle, "steps", 0) + 1
-        if handle.steps == 3:
-            raise RuntimeError("injected draft fault")
-        return super().step(handle, num_accepted, committed, num_tokens)
+    def verify(self, session, draft_tokens, draft_dists):
+        session.steps = getattr(session, "steps", 0) + 1
+        if session.steps == 3:
+            raise RuntimeError("injected target fault")
+        return super().verify(session, draft_tokens, draft_dists)
 
 
 def test_failed_request_frees_both_sessions(target_model, draft_models):
     async def run():
-        draft = FailingDraftEngine(draft_models[0.5], "failing")
-        async with running_services(TargetEngine(target_model), draft) as services:
+        async with running_services(FailingTargetEngine(target_model), draft_engine_for(draft_models, 0.5)) as services:
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await services.stub.Generate(build_request(PROMPT, max_new_tokens=50, ignore_eos=True))
-            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "draft worker" in error.value.details()
+            assert error.value.code() == grpc.StatusCode.INTERNAL
+            assert "target worker failed" in error.value.details()
             assert await wait_for(lambda: no_sessions(services), timeout=5)
             assert await active_sessions(services) == (0, 0)
 

@@ -75,20 +75,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_tokens_per_round", "num_speculative_tokens")
+    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_tokens_per_round", "num_speculative_tokens", "fallback_reason")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     MEAN_TOKENS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted_tokens: int
     accepted_tokens: int
     acceptance_rate: float
     mean_tokens_per_round: float
     num_speculative_tokens: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    fallback_reason: str
+    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "speculation", "time_split", "rounds")
