@@ -102,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default="cpu")
     add_generate_parser(commands)
     commands.add_parser("demo", help="bring the cluster up, stream a few answers, report acceptance and speedup")
+    bench = commands.add_parser("bench", help="measure speedup against baselines and the analytic model; writes a report")
+    bench.add_argument(
+        "--quick", action="store_true", help="3 prompts, gamma 1/2/4, one repeat: under 3 minutes on the default models"
+    )
+    bench.add_argument("--name", help="results go to bench/results/NAME (default: quick or full, with the date)")
+    bench.add_argument("--target-model", default="smollm2-135m")
+    bench.add_argument("--draft-model", help="default: the best draft the project has for the target")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--max-new-tokens", type=int, default=64)
+    bench.add_argument("--repeats", type=int, default=2, help="counted repeats after one warm-up")
+    bench.add_argument("--output-root", default="bench/results")
     health = commands.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
     health.add_argument("address", nargs="?", default="localhost:50051")
     return parser
@@ -209,6 +220,27 @@ def run_generate(args) -> int:
     return 0
 
 
+def run_bench_command(args) -> int:
+    import time
+
+    from bench.runner import BenchConfig, run_bench
+
+    name = args.name or f"{'quick' if args.quick else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    config = BenchConfig(
+        name,
+        args.target_model,
+        args.draft_model,
+        args.device,
+        args.quick,
+        args.max_new_tokens,
+        args.repeats,
+        output_root=args.output_root,
+    )
+    out = run_bench(config)
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
@@ -219,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         return up(args.target_model, args.draft_model, args.port, args.device)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "bench":
+        return run_bench_command(args)
     if args.command == "health":
         from coordinator.cluster import is_serving
 

@@ -1,0 +1,58 @@
+"""`specdec bench --quick` end to end on tiny random models: the report's files and fields are there."""
+
+import json
+import subprocess
+import sys
+
+TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
+
+
+def test_quick_bench_writes_json_report_and_plots(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "bench",
+        "--quick",
+        "--name",
+        "smoke",
+        "--output-root",
+        str(tmp_path),
+        "--target-model",
+        TARGET,
+        "--draft-model",
+        f"{TARGET},noise=0.3",
+        "--max-new-tokens",
+        "16",
+    ]
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    out = tmp_path / "smoke"
+    for name in (
+        "results.json",
+        "report.md",
+        "speedup_vs_gamma.png",
+        "acceptance_by_position.png",
+        "time_split.png",
+        "tokens_per_second.png",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    analysis = results["analysis"]
+    systems = set(analysis["tokens_per_second_by_system"])
+    assert systems == {"target-only (gRPC)", "specdec (gRPC)", "specdec (in-process)", "HF generate", "HF assisted"}
+    assert [row["gamma"] for row in analysis["gamma_sweep"]] == [1, 2, 4]
+    for row in analysis["gamma_sweep"]:
+        assert (
+            0 <= row["alpha"] <= 1
+            and row["measured_speedup"] > 0
+            and row["predicted_speedup"] > 0
+            and row["corrected_speedup"] > 0
+        )
+    assert [row["temperature"] for row in analysis["temperature_sweep"]] == [0.0, 0.7]
+    assert set(analysis["best_gamma_by_category"]) == {"input-grounded", "code", "factual"}
+    assert list(results["cost_curve"]) == [str(k) for k in range(1, 10)]
+    assert analysis["greedy_outputs_identical_to_target_only"] is True
+    assert "1" in analysis["acceptance_by_position"]
+    report = (out / "report.md").read_text()
+    for heading in ("Gamma sweep", "Best gamma per category", "Temperature sweep", "Break-even cost ratio", "Cost curve"):
+        assert heading in report
