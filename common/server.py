@@ -79,6 +79,29 @@ async def create_server(
     return server, health_servicer, bound
 
 
+async def start_serving(
+    service: ServiceDescriptor, servicer, options: ServerOptions
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """A started server that reports SERVING at once: its engine is ready (tests, benchmarks, the coordinator)."""
+    server, health_servicer, bound = await create_server(service, servicer, options)
+    await server.start()
+    await set_serving(health_servicer, [service.full_name], True)
+    return server, health_servicer, bound
+
+
+async def serve_worker(
+    service: ServiceDescriptor, servicer: "SessionStreamServicer", load_engine, model: str, options: ServerOptions
+) -> None:
+    """Runs a worker until SIGTERM: listening (NOT_SERVING) while load_engine() loads the model, then SERVING."""
+    server, health_servicer, bound = await create_server(service, servicer, options)
+    await server.start()
+    log.info("%s listening on port %d, loading %s", service.name, bound, model)
+    servicer.engine = await asyncio.to_thread(load_engine)
+    await set_serving(health_servicer, [service.full_name], True)
+    log.info("%s serving %s", service.name, model)
+    await run_until_signalled(server, health_servicer, [service.full_name], options.grace_period, servicer.lifecycle)
+
+
 async def set_serving(health_servicer: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *service_names]:

@@ -11,7 +11,7 @@ import grpc
 
 from common.errors import ResourceExhausted, Unauthenticated
 from common.models import load_tokenizer
-from common.server import Lifecycle, ServerOptions, abort_with, create_server, run_until_signalled, set_serving
+from common.server import Lifecycle, ServerOptions, abort_with, run_until_signalled, start_serving
 from common.services import check_parsed
 from common.telemetry import context_from
 from common.tls import TlsFiles
@@ -118,10 +118,8 @@ def advertised_host(host: str) -> str:
 
 async def launch(engine: GenerationEngine, options: ServerOptions, max_concurrent_requests: int, auth_token: str | None):
     servicer = GenerationServicer(engine, max_concurrent_requests, auth_token)
-    server, health_servicer, bound = await create_server(SERVICE, servicer, options)
-    await server.start()
+    server, health_servicer, bound = await start_serving(SERVICE, servicer, options)
     engine.config.server_address, engine.config.server_port = advertised_host(options.host), bound
-    await set_serving(health_servicer, [SERVICE.full_name], True)
     return server, health_servicer, bound, servicer.lifecycle
 
 

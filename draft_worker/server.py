@@ -1,27 +1,15 @@
 """DraftService over gRPC: a thin servicer that turns stream messages into DraftEngine calls."""
 
-import asyncio
-import logging
-
 import grpc
 
 from common.models import load_model
 from common.protocol import distribution_to_proto, info_to_proto, sampling_from_proto, timing_to_proto
-from common.server import (
-    ServerOptions,
-    SessionStreamServicer,
-    abort_with,
-    create_server,
-    require_loaded,
-    run_until_signalled,
-    set_serving,
-)
+from common.server import ServerOptions, SessionStreamServicer, abort_with, require_loaded, serve_worker, start_serving
 from draft_worker.engine import DraftEngine
 from draft_worker.ngram import is_ngram, parse_ngram
 from specdec.v1 import draft_pb2, worker_pb2
 
 SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]
-log = logging.getLogger("specdec.draft")
 
 
 class DraftServicer(SessionStreamServicer):
@@ -79,19 +67,13 @@ async def serve(
     model: str, options: ServerOptions, device: str = "cpu", dtype: str = "auto", max_sessions: int = 64, max_q_entries: int = 64
 ) -> None:
     servicer = DraftServicer(idle_timeout=options.session_idle_timeout)
-    server, health_servicer, bound = await create_server(SERVICE, servicer, options)
-    await server.start()
-    log.info("draft worker listening on port %d, loading %s", bound, model)
-    servicer.engine = await asyncio.to_thread(load_draft_engine, model, device, dtype, max_sessions, max_q_entries)
-    await set_serving(health_servicer, [SERVICE.full_name], True)
-    log.info("draft worker serving %s", model)
-    await run_until_signalled(server, health_servicer, [SERVICE.full_name], options.grace_period, servicer.lifecycle)
+    await serve_worker(
+        SERVICE, servicer, lambda: load_draft_engine(model, device, dtype, max_sessions, max_q_entries), model, options
+    )
 
 
 async def start_draft_server(engine: DraftEngine, options: ServerOptions | None = None) -> tuple[grpc.aio.Server, int]:
     """An already-loaded engine served in the running event loop (used by tests and benchmarks)."""
     options = options or ServerOptions(host="127.0.0.1")
-    server, health_servicer, bound = await create_server(SERVICE, DraftServicer(engine, options.session_idle_timeout), options)
-    await server.start()
-    await set_serving(health_servicer, [SERVICE.full_name], True)
+    server, _, bound = await start_serving(SERVICE, DraftServicer(engine, options.session_idle_timeout), options)
     return server, bound

@@ -1,26 +1,14 @@
 """TargetService over gRPC: a thin servicer that turns stream messages into TargetEngine calls."""
 
-import asyncio
-import logging
-
 import grpc
 
 from common.models import load_model
 from common.protocol import distribution_from_proto, distribution_to_proto, info_to_proto, sampling_from_proto, timing_to_proto
-from common.server import (
-    ServerOptions,
-    SessionStreamServicer,
-    abort_with,
-    create_server,
-    require_loaded,
-    run_until_signalled,
-    set_serving,
-)
+from common.server import ServerOptions, SessionStreamServicer, abort_with, require_loaded, serve_worker, start_serving
 from specdec.v1 import target_pb2, worker_pb2
 from target_worker.engine import TargetEngine
 
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
-log = logging.getLogger("specdec.target")
 
 
 class TargetServicer(SessionStreamServicer):
@@ -70,20 +58,11 @@ class TargetServicer(SessionStreamServicer):
 
 async def serve(model: str, options: ServerOptions, device: str = "cpu", dtype: str = "auto", max_sessions: int = 64) -> None:
     servicer = TargetServicer(idle_timeout=options.session_idle_timeout)
-    server, health_servicer, bound = await create_server(SERVICE, servicer, options)
-    await server.start()
-    log.info("target worker listening on port %d, loading %s", bound, model)
-    loaded = await asyncio.to_thread(load_model, model, device, dtype)
-    servicer.engine = TargetEngine(loaded, max_sessions)
-    await set_serving(health_servicer, [SERVICE.full_name], True)
-    log.info("target worker serving %s on %s (%s)", model, loaded.device, str(loaded.dtype).removeprefix("torch."))
-    await run_until_signalled(server, health_servicer, [SERVICE.full_name], options.grace_period, servicer.lifecycle)
+    await serve_worker(SERVICE, servicer, lambda: TargetEngine(load_model(model, device, dtype), max_sessions), model, options)
 
 
 async def start_target_server(engine: TargetEngine, options: ServerOptions | None = None) -> tuple[grpc.aio.Server, int]:
     """An already-loaded engine served in the running event loop (used by tests and benchmarks)."""
     options = options or ServerOptions(host="127.0.0.1")
-    server, health_servicer, bound = await create_server(SERVICE, TargetServicer(engine, options.session_idle_timeout), options)
-    await server.start()
-    await set_serving(health_servicer, [SERVICE.full_name], True)
+    server, _, bound = await start_serving(SERVICE, TargetServicer(engine, options.session_idle_timeout), options)
     return server, bound

@@ -60,3 +60,21 @@ def test_prompt_lookup_continues_the_most_recent_match():
     assert find_continuation([5, 6, 7, 5], 3, max_n=3, min_n=1) == [6, 7, 5]
     assert find_continuation([1, 2, 3], 2, max_n=3, min_n=1) == []
     assert find_continuation([4, 1, 2, 9, 1, 2], 3, max_n=2, min_n=2) == [9, 1, 2]
+
+
+@pytest.mark.parametrize("shape, billions", [("qwen2.5-0.5b", 0.49), ("qwen2.5-1.5b", 1.54)])
+def test_random_shapes_have_the_real_models_parameter_counts(shape, billions):
+    from transformers import AutoModelForCausalLM
+
+    from common.models import random_shape_config
+
+    config, seed = random_shape_config(f"random-shape:{shape},seed=3")
+    assert seed == 3
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=0.02)
+
+
+def test_unknown_random_shape_is_refused():
+    with pytest.raises(InvalidArgument, match="known shapes"):
+        load_model("random-shape:gpt-5")
