@@ -296,6 +296,12 @@ def overhead_per_round(run: dict) -> float:
     return (split["sync_us"] + split["network_us"] + split["coordinator_us"]) / max(run["rounds"], 1) / 1e6
 
 
+def verify_cost(group: list[dict], curve: dict[int, float]) -> float:
+    """Mean target time per round for the tokens actually scored: prompt lookup often proposes fewer than gamma."""
+    costs = [curve[min(drafted + 1, max(curve))] for run in group for drafted, _ in run["positions"]]
+    return statistics.fmean(costs) if costs else curve[1]
+
+
 def analyse(results: dict) -> dict:
     runs = results["runs"]
     curve = {int(k): v for k, v in results["cost_curve"].items()}
@@ -317,7 +323,7 @@ def analyse(results: dict) -> dict:
             gamma,
             t_target,
             results["draft_step_seconds"],
-            curve.get(gamma + 1, curve[max(curve)]),
+            verify_cost(group, curve),
             overhead,
             baseline_overhead,
         )
@@ -392,7 +398,19 @@ def analyse(results: dict) -> dict:
         and b["temperature"] == 0.0
         and b["system"] in ("specdec (gRPC)", "specdec (in-process)")
     )
+    by_prompt = {}
+    for prompt_id in sorted({r["prompt_id"] for r in greedy_spec}):
+        mine = [r for r in greedy_spec if r["prompt_id"] == prompt_id and r["gamma"] == DEFAULT_GAMMA]
+        base = [r for r in baseline_runs if r["prompt_id"] == prompt_id]
+        drafted = sum(r["drafted"] for r in mine)
+        by_prompt[prompt_id] = {
+            "category": mine[0]["category"] if mine else "",
+            "target_only_tokens_per_second": analytic.median([r["tokens_per_second"] for r in base]),
+            "specdec_tokens_per_second": analytic.median([r["tokens_per_second"] for r in mine]),
+            "acceptance": sum(r["accepted"] for r in mine) / drafted if drafted else 0.0,
+        }
     return {
+        "by_prompt_at_default_gamma": by_prompt,
         "cost_ratio_c": c,
         "target_step_ms": t_target * 1e3,
         "baseline_overhead_ms_per_token": baseline_overhead * 1e3,
