@@ -139,7 +139,7 @@ def test_coordinator_starts_and_serves_while_the_draft_worker_is_down(tmp_path):
     try:
         wait_serving(f"localhost:{port}", timeout=90)
         with GenerationClient(f"localhost:{port}") as client:
-            response = client.generate(PROMPT, max_new_tokens=10, temperature=0)
+            response = client.generate(PROMPT, max_new_tokens=10, temperature=0, ignore_eos=True)
         assert response.usage.completion_tokens == 10 and response.speculation.drafted_tokens == 0
     finally:
         for process in (coordinator, target):

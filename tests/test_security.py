@@ -139,7 +139,7 @@ def test_generation_requires_the_bearer_token(pki, target_model, draft_models):
     def scenario(addresses):
         with grpc.secure_channel(addresses["coordinator"], grpc.ssl_channel_credentials(ca)) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            request = build_request("hi", max_new_tokens=2)
+            request = build_request("hi", max_new_tokens=2, ignore_eos=True)
             for metadata in (None, [("authorization", "Bearer wrong")], [("authorization", TOKEN)]):
                 with pytest.raises(grpc.RpcError) as error:
                     stub.Generate(request, metadata=metadata, timeout=10)
