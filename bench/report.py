@@ -1,5 +1,6 @@
 """The benchmark's Markdown report and plots, from its results."""
 
+import contextlib
 from pathlib import Path
 
 import matplotlib
@@ -21,55 +22,53 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def plot_speedup(analysis: dict, path: Path) -> None:
-    rows = analysis["gamma_sweep"]
-    gammas = [r["gamma"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(gammas, [r["measured_speedup"] for r in rows], "o-", label="measured")
-    ax.plot(gammas, [r["predicted_speedup"] for r in rows], "--", label="analytic (Leviathan et al.)")
-    ax.plot(gammas, [r["corrected_speedup"] for r in rows], ":", label="corrected (cost curve + overhead)")
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set(xlabel="gamma (draft tokens per round)", ylabel="speedup over target-only", title="Speedup versus gamma (greedy)")
-    ax.legend()
+@contextlib.contextmanager
+def figure(path: Path, size=(6, 4)):
+    """Axes to draw on, saved to path and closed afterwards."""
+    fig, ax = plt.subplots(figsize=size)
+    yield ax
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_speedup(analysis: dict, path: Path) -> None:
+    rows = analysis["gamma_sweep"]
+    gammas = [r["gamma"] for r in rows]
+    with figure(path) as ax:
+        ax.plot(gammas, [r["measured_speedup"] for r in rows], "o-", label="measured")
+        ax.plot(gammas, [r["predicted_speedup"] for r in rows], "--", label="analytic (Leviathan et al.)")
+        ax.plot(gammas, [r["corrected_speedup"] for r in rows], ":", label="corrected (cost curve + overhead)")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set(xlabel="gamma (draft tokens per round)", ylabel="speedup over target-only", title="Speedup versus gamma (greedy)")
+        ax.legend()
 
 
 def plot_acceptance(analysis: dict, path: Path) -> None:
     positions = analysis["acceptance_by_position"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([int(p) for p in positions], list(positions.values()))
-    ax.set(xlabel="draft position", ylabel="acceptance rate", title="Acceptance by position in the round", ylim=(0, 1))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with figure(path) as ax:
+        ax.bar([int(p) for p in positions], list(positions.values()))
+        ax.set(xlabel="draft position", ylabel="acceptance rate", title="Acceptance by position in the round", ylim=(0, 1))
 
 
 def plot_split(analysis: dict, path: Path) -> None:
     split = analysis["split_ms_per_round_by_gamma"]
     gammas = [str(g) for g in split]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bottom = [0.0] * len(gammas)
-    for name in ("draft_us", "verify_us", "sync_us", "network_us", "coordinator_us"):
-        values = [split[g][name] for g in split]
-        ax.bar(gammas, values, bottom=bottom, label=name.removesuffix("_us"))
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set(xlabel="gamma", ylabel="ms per round (median)", title="Where a round's time goes")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with figure(path) as ax:
+        bottom = [0.0] * len(gammas)
+        for name in ("draft_us", "verify_us", "sync_us", "network_us", "coordinator_us"):
+            values = [split[g][name] for g in split]
+            ax.bar(gammas, values, bottom=bottom, label=name.removesuffix("_us"))
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.set(xlabel="gamma", ylabel="ms per round (median)", title="Where a round's time goes")
+        ax.legend()
 
 
 def plot_systems(analysis: dict, path: Path) -> None:
     systems = analysis["tokens_per_second_by_system"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.barh(list(systems), list(systems.values()))
-    ax.set(xlabel="tokens/s (median over prompts)", title="Throughput per system (greedy, one request at a time)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with figure(path, (7, 4)) as ax:
+        ax.barh(list(systems), list(systems.values()))
+        ax.set(xlabel="tokens/s (median over prompts)", title="Throughput per system (greedy, one request at a time)")
 
 
 def write_report(results: dict, out: Path) -> None:

@@ -50,7 +50,9 @@ def test_the_coordinator_caps_concurrent_requests(target_model, draft_models):
                 assert "maximum of 1 concurrent requests" in error.value.details()
                 first.cancel()
                 await asyncio.sleep(0.2)
-                assert (await stub.Generate(build_request("third", max_new_tokens=2, ignore_eos=True))).usage.completion_tokens == 2
+                assert (
+                    await stub.Generate(build_request("third", max_new_tokens=2, ignore_eos=True))
+                ).usage.completion_tokens == 2
         finally:
             await workers.close()
             await server.stop(0)
@@ -87,6 +89,8 @@ def test_messages_over_the_size_limit_are_refused(target_model, draft_models):
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await services.stub.Generate(build_request("x" * (17 * 1024 * 1024)))
             assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert (await services.stub.Generate(build_request("fine", max_new_tokens=2, ignore_eos=True))).usage.completion_tokens == 2
+            assert (
+                await services.stub.Generate(build_request("fine", max_new_tokens=2, ignore_eos=True))
+            ).usage.completion_tokens == 2
 
     asyncio.run(run())
