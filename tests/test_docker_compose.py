@@ -62,3 +62,14 @@ def test_gpu_override_gives_both_workers_one_shared_gpu():
         assert device["device_ids"] == ["0"] and device["capabilities"] == ["gpu"]
         assert "cuda:0" in services[name]["command"]
         assert services[name]["build"]["args"]["TORCH_SPEC"] == ""
+
+
+def test_the_image_copies_every_package_the_project_installs():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dirs = project.get("package-dir", {})
+    folders = {package_dirs.get(p.split(".")[0], p.split(".")[0]).split("/")[0] for p in project["packages"]}
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    copied = {line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ")}
+    assert folders <= copied, f"docker/Dockerfile does not COPY {sorted(folders - copied)}"
