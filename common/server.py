@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import errors
+from common.protocol import info_to_proto
 from common.services import add_service, check_parsed
 from common.telemetry import run_traced
 from common.tls import TlsFiles, server_credentials
@@ -179,6 +180,8 @@ class SessionStreamServicer:
     """One bidirectional stream is one session: the first message opens it, each later one is a step, and the
     session is freed when the stream ends for any reason (finished, failed, cancelled, idle)."""
 
+    role: int  # worker_pb2.WorkerRole reported by GetInfo
+
     def __init__(self, engine=None, idle_timeout: float = 600.0):
         self.engine = engine  # None while the model loads: calls are answered UNAVAILABLE
         self.idle_timeout = idle_timeout
@@ -198,6 +201,13 @@ class SessionStreamServicer:
 
     def close(self, session) -> None:
         raise NotImplementedError
+
+    async def GetInfo(self, request, context):
+        try:
+            require_loaded(self.engine)
+            return info_to_proto(self.role, self.engine.info())
+        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
+            await abort_with(context, error)
 
     async def session_stream(self, request_iterator, context):
         session = None

@@ -16,18 +16,14 @@ class SessionRegistry(Generic[S]):
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid():x}"
 
-    def new_id(self) -> str:
+    def reserve(self) -> str:
+        """A new session id, or ResourceExhausted when full: checked before the (costly) prefill. Opening runs on
+        the worker's single compute thread, so nothing can take the slot between reserve and add."""
+        if len(self.sessions) >= self.max_sessions:
+            raise ResourceExhausted(f"worker holds its maximum of {self.max_sessions} sessions; retry later")
         return f"{self._prefix}-{next(self._ids)}"
 
-    def reserve(self) -> str:
-        """Checks capacity before the (costly) prefill; raises ResourceExhausted when full."""
-        if len(self.sessions) >= self.max_sessions:
-            raise ResourceExhausted(f"worker holds its maximum of {self.max_sessions} sessions; retry later")
-        return self.new_id()
-
     def add(self, session_id: str, session: S) -> None:
-        if len(self.sessions) >= self.max_sessions:
-            raise ResourceExhausted(f"worker holds its maximum of {self.max_sessions} sessions; retry later")
         self.sessions[session_id] = session
 
     def remove(self, session_id: str) -> None:

@@ -3,8 +3,8 @@
 import grpc
 
 from common.models import load_model
-from common.protocol import distribution_to_proto, info_to_proto, sampling_from_proto, timing_to_proto
-from common.server import ServerOptions, SessionStreamServicer, abort_with, require_loaded, serve_worker, start_serving
+from common.protocol import distribution_to_proto, sampling_from_proto, timing_to_proto
+from common.server import ServerOptions, SessionStreamServicer, serve_worker, start_serving
 from draft_worker.engine import DraftEngine
 from draft_worker.ngram import is_ngram, parse_ngram
 from specdec.v1 import draft_pb2, worker_pb2
@@ -13,6 +13,8 @@ SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]
 
 
 class DraftServicer(SessionStreamServicer):
+    role = worker_pb2.WORKER_ROLE_DRAFT
+
     async def open(self, request):
         start = request.start
         handle, cached, compute_us = await self.run(
@@ -46,13 +48,6 @@ class DraftServicer(SessionStreamServicer):
     async def Draft(self, request_iterator, context):
         async for response in self.session_stream(request_iterator, context):
             yield response
-
-    async def GetInfo(self, request, context):
-        try:
-            require_loaded(self.engine)
-            return info_to_proto(worker_pb2.WORKER_ROLE_DRAFT, self.engine.info())
-        except Exception as error:  # noqa: BLE001
-            await abort_with(context, error)
 
 
 def load_draft_engine(

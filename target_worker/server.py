@@ -3,8 +3,8 @@
 import grpc
 
 from common.models import load_model
-from common.protocol import distribution_from_proto, distribution_to_proto, info_to_proto, sampling_from_proto, timing_to_proto
-from common.server import ServerOptions, SessionStreamServicer, abort_with, require_loaded, serve_worker, start_serving
+from common.protocol import distribution_from_proto, distribution_to_proto, sampling_from_proto, timing_to_proto
+from common.server import ServerOptions, SessionStreamServicer, serve_worker, start_serving
 from specdec.v1 import target_pb2, worker_pb2
 from target_worker.engine import TargetEngine
 
@@ -12,6 +12,8 @@ SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
 
 
 class TargetServicer(SessionStreamServicer):
+    role = worker_pb2.WORKER_ROLE_TARGET
+
     async def open(self, request):
         start = request.start
         session, opened = await self.run(
@@ -47,13 +49,6 @@ class TargetServicer(SessionStreamServicer):
     async def Verify(self, request_iterator, context):
         async for response in self.session_stream(request_iterator, context):
             yield response
-
-    async def GetInfo(self, request, context):
-        try:
-            require_loaded(self.engine)
-            return info_to_proto(worker_pb2.WORKER_ROLE_TARGET, self.engine.info())
-        except Exception as error:  # noqa: BLE001
-            await abort_with(context, error)
 
 
 async def serve(model: str, options: ServerOptions, device: str = "cpu", dtype: str = "auto", max_sessions: int = 64) -> None:
