@@ -108,8 +108,12 @@ def shutdown_telemetry() -> None:
                 log.warning("telemetry shutdown failed", exc_info=True)
 
 
+# A proxy that follows the provider setup_telemetry installs later: spans on the hot path need no look-up each time.
+_TRACER = trace.get_tracer(TRACER_NAME)
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    return _TRACER
 
 
 def meter() -> metrics.Meter:

@@ -15,7 +15,7 @@ from common.server import Lifecycle, ServerOptions, abort_with, run_until_signal
 from common.services import check_parsed
 from common.telemetry import context_from
 from common.tls import TlsFiles
-from coordinator.engine import CoordinatorConfig, GenerationEngine, IncompatibleWorkers, check_pair
+from coordinator.engine import CoordinatorConfig, GenerationEngine, check_pair
 from coordinator.requests import params_of, response_of, stream_message_of
 from coordinator.worker_clients import GrpcWorkers, wait_until_serving
 from coordinator.workers import WorkerInfo, Workers
@@ -23,8 +23,6 @@ from specdec.v1 import generation_pb2
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 log = logging.getLogger("specdec.coordinator")
-
-__all__ = ["IncompatibleWorkers", "build_engine", "serve", "start_coordinator_server"]
 
 
 def client_trace_context(context: grpc.aio.ServicerContext):

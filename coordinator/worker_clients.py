@@ -69,17 +69,15 @@ class StreamSession:
         try:
             await self.call.done_writing()
             await asyncio.wait_for(self.call.code(), timeout=5)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.CancelledError):
+        except asyncio.CancelledError:
             self.call.cancel()
-            raise_if_cancelled()
-        except Exception:
+            # grpc.aio raises CancelledError for a call that was already cancelled; only this task's own
+            # cancellation must propagate.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+        except Exception:  # the stream already failed, or the worker is slow to finish: drop it
             self.call.cancel()
-
-
-def raise_if_cancelled() -> None:
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 class GrpcTargetSession(StreamSession):
