@@ -60,6 +60,9 @@ class StreamSession:
             response = await self.call.read()
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error, self.worker) from None
+        except asyncio.InvalidStateError:
+            # The worker ended the stream (e.g. it died) before this write: report how the call ended.
+            response = grpc.aio.EOF
         if response is grpc.aio.EOF:
             raise error_from_status(await self.call.code(), await self.call.details(), self.worker)
         return response, request.ByteSize(), response.ByteSize()

@@ -80,3 +80,25 @@ def test_failed_request_frees_both_sessions(target_model, draft_models):
             assert await active_sessions(services) == (0, 0)
 
     asyncio.run(run())
+
+
+def test_a_stream_the_worker_already_ended_reports_unavailable(target_model):
+    """A write after the worker's end of the stream is gone (a crashed target) is a retryable Unavailable."""
+    from common.errors import Unavailable
+    from common.sampling import SamplingParams
+    from coordinator.worker_clients import GrpcWorkers
+    from target_worker.server import start_target_server
+
+    async def run():
+        server, port = await start_target_server(TargetEngine(target_model))
+        workers = GrpcWorkers(f"127.0.0.1:{port}", None)
+        try:
+            session = await workers.open_target([1, 2, 3], SamplingParams(temperature=0), 0)
+            await server.stop(0)
+            assert await wait_for(session.call.done)
+            with pytest.raises(Unavailable, match="target worker"):
+                await session.verify([], [])
+        finally:
+            await workers.close()
+
+    asyncio.run(run())
