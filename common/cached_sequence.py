@@ -1,37 +1,35 @@
 """A session's token sequence and the KV cache that holds (a prefix of) it, per ../design/round.md.
 
 Between rounds the cache holds every committed token but the pending tail; a forward pass feeds tokens on top of
-the cache, and a rollback crops rejected tokens off its end in O(1) tensor views, never re-running the prefix.
+the cache, and a rollback crops rejected tokens off its end in O(1), never re-running the prefix. Forward passes
+of several sessions run as one batch (forward_batch).
 """
 
 import time
 
 import torch
-from transformers import DynamicCache
+
+from common.batched_forward import forward_sessions, session_cache
 
 
 class CachedSequence:
     def __init__(self, model: torch.nn.Module, prompt: list[int]):
         self.model = model
         self.tokens = list(prompt)  # committed tokens: prompt + accepted output
-        self.cache = DynamicCache(config=model.config)
-        self.cache_len = 0  # tokens in the cache; may exceed len(tokens) while drafted tokens are held
+        self.cache = session_cache(model.config.get_text_config().num_hidden_layers)
 
     @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+    def cache_len(self) -> int:
+        """Tokens in the cache; may exceed len(tokens) while drafted tokens are held."""
+        return self.cache.get_seq_length()
 
     def pending(self) -> list[int]:
         """Committed tokens not yet in the cache: fed at the start of the next forward pass."""
         return self.tokens[self.cache_len :]
 
-    @torch.inference_mode()
     def forward(self, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         """Feeds token_ids on top of the cache; returns the last logits_to_keep rows as CPU float32 [k, V]."""
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
-        self.cache_len += len(token_ids)
-        return out.logits[0, -logits_to_keep:].float().cpu()
+        return forward_batch([self], [token_ids], [logits_to_keep])[0]
 
     def prefill(self) -> None:
         """Caches the prompt but its last token, which stays pending for the first round."""
@@ -43,8 +41,12 @@ class CachedSequence:
         removed = self.cache_len - keep
         if removed > 0:
             self.cache.crop(-removed)
-            self.cache_len = keep
         return max(removed, 0)
+
+
+def forward_batch(sequences: list[CachedSequence], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
+    """One forward pass for several sequences of one model, each fed its own tokens at its own position."""
+    return forward_sessions(sequences[0].model, [s.cache for s in sequences], token_ids, logits_to_keep)
 
 
 def elapsed_us(start: float) -> int:

@@ -26,7 +26,21 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("--target", help="coordinator: target worker address host:port")
     serve.add_argument("--draft", help="coordinator: draft worker address host:port (omit to run target-only)")
     serve.add_argument("--tokenizer", help="coordinator: tokenizer spec (default: the target worker's model)")
-    serve.add_argument("--num-speculative-tokens", "--gamma", type=int, dest="gamma", help="coordinator: default gamma")
+    serve.add_argument(
+        "--num-speculative-tokens",
+        "--gamma",
+        type=int,
+        dest="gamma",
+        help="coordinator: default gamma; -1 (the default with a draft) chooses it each round",
+    )
+    serve.add_argument(
+        "--overlap",
+        action="store_true",
+        help="coordinator: by default, draft round n+1 while the target verifies round n (pays when the workers run on "
+        "separate devices or cores)",
+    )
+    serve.add_argument("--threads", type=int, help="worker: compute threads (torch.set_num_threads); default: PyTorch's choice")
+    serve.add_argument("--cpus", help="worker: pin the process to these CPUs, e.g. 0 or 0-3 or 0,2")
     serve.add_argument("--max-num-speculative-tokens", type=int, default=16, help="coordinator: largest gamma a request may ask")
     serve.add_argument("--default-max-new-tokens", type=int, default=256)
     serve.add_argument("--max-new-tokens-cap", type=int, default=4096)
@@ -77,7 +91,8 @@ def add_generate_parser(commands) -> None:
     generate.add_argument("--top-p", type=float)
     generate.add_argument("--top-k", type=int)
     generate.add_argument("--seed", type=int)
-    generate.add_argument("--gamma", type=int, help="draft tokens per round; 0 turns speculation off")
+    generate.add_argument("--gamma", type=int, help="draft tokens per round; -1 auto, 0 turns speculation off")
+    generate.add_argument("--overlap", action=argparse.BooleanOptionalAction, help="draft while the target verifies")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
@@ -139,6 +154,8 @@ def serve_role(args, port: int) -> int:
     options = ServerOptions(
         port, args.host, TlsFiles(args.tls_cert, args.tls_key, args.tls_ca), args.grace_period, args.session_idle_timeout
     )
+    if args.role in ("target", "draft"):
+        limit_compute(args.threads, args.cpus)
     if args.role == "target":
         from target_worker.server import serve
 
@@ -163,6 +180,7 @@ def serve_role(args, port: int) -> int:
             draft_timeout=args.draft_timeout,
             target_timeout=args.target_timeout,
             target_retry_window=args.target_retry_window,
+            overlap=args.overlap,
         )
         worker_tls = TlsFiles(args.worker_tls_cert, args.worker_tls_key, args.worker_tls_ca)
         try:
@@ -184,6 +202,25 @@ def serve_role(args, port: int) -> int:
     return 0
 
 
+def parse_cpus(spec: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def limit_compute(threads: int | None, cpus: str | None) -> None:
+    """Keeps a worker on its own cores: co-located workers otherwise slow each other down (PyTorch's OpenMP threads
+    spin while they wait for work, on every core)."""
+    import torch
+
+    if cpus:
+        os.sched_setaffinity(0, parse_cpus(cpus))
+    if threads:
+        torch.set_num_threads(threads)
+
+
 def run_generate(args) -> int:
     from coordinator.client import GenerationClient, response_to_dict
     from coordinator.explain import explain_table
@@ -198,6 +235,7 @@ def run_generate(args) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         num_speculative_tokens=args.gamma,
+        overlap=args.overlap,
         include_rounds=args.explain,
     )
     try:

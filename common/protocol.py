@@ -31,9 +31,10 @@ def distribution_from_proto(msg: worker_pb2.SparseDistribution) -> SparseDistrib
     )
 
 
-def timing_to_proto(compute_us: int, sync_us: int = 0) -> worker_pb2.WorkerTiming:
-    return worker_pb2.WorkerTiming(compute_us=compute_us, sync_us=sync_us)
+def timing_to_proto(compute_us: int, sync_us: int = 0, batch_size: int = 1, batch_tokens: int = 0) -> worker_pb2.WorkerTiming:
+    return worker_pb2.WorkerTiming(compute_us=compute_us, sync_us=sync_us, batch_size=batch_size, batch_tokens=batch_tokens)
 
 
 def info_to_proto(role: int, info: dict) -> worker_pb2.GetInfoResponse:
-    return worker_pb2.GetInfoResponse(role=role, **info)
+    costs = [worker_pb2.ForwardCost(tokens=t, milliseconds=ms) for t, ms in info.get("forward_costs", [])]
+    return worker_pb2.GetInfoResponse(role=role, **{**info, "forward_costs": costs})

@@ -15,6 +15,8 @@ class Proposal:
     sync_us: int = 0
     bytes_sent: int = 0  # serialized size of the messages that asked for it and carried it (0 in process)
     bytes_received: int = 0
+    assumed_token: int | None = None  # overlap: the token assumed to precede x1 (the target's bonus)
+    batch_size: int = 1
 
 
 @dataclass
@@ -30,3 +32,5 @@ class Verdict:
     sync_us: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    batch_size: int = 1  # sessions in the target's batched forward pass
+    batch_tokens: int = 0  # tokens fed in that pass, over all its sessions

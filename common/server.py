@@ -15,8 +15,9 @@ from grpc_reflection.v1alpha import reflection
 
 from common import errors
 from common.protocol import info_to_proto
+from common.batcher import Batcher
 from common.services import add_service, check_parsed
-from common.telemetry import run_traced
+from common.telemetry import context_from, run_traced
 from common.tls import TlsFiles, server_credentials
 
 # One speculation round carries at most a few hundred sparse entries; prompts are the largest messages. 16 MiB
@@ -186,11 +187,20 @@ class SessionStreamServicer:
         self.engine = engine  # None while the model loads: calls are answered UNAVAILABLE
         self.idle_timeout = idle_timeout
         self.executor = compute_executor()
+        self.batcher = Batcher(self.executor, self.run_batch)
         self.lifecycle = Lifecycle(lambda: len(self.engine.sessions) if self.engine else 0)
 
     async def run(self, request, fn, *args):
         """Runs an engine call on the compute thread, under the trace context the message carried."""
         return await run_traced(self.executor, request.trace_context, fn, *args)
+
+    def run_batch(self, calls: list) -> list:
+        """Runs one batch of steps on the engine (on the compute thread)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def parent(request):
+        return context_from(request.trace_context) if request.trace_context else None
 
     async def open(self, request):
         """Opens a session from a start message; returns (session, response)."""

@@ -33,6 +33,8 @@ def build_request(
     ignore_eos: bool = False,
     num_speculative_tokens: int | None = None,
     include_rounds: bool = False,
+    gamma_schedule: str | None = None,
+    overlap: bool | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A request from a prompt string, a list of token ids, or chat messages ({"role", "content"} dicts)."""
     optional = {
@@ -42,8 +44,10 @@ def build_request(
         "top_k": top_k,
         "seed": seed,
         "num_speculative_tokens": num_speculative_tokens,
+        "overlap": overlap,
     }
     request = generation_pb2.GenerateRequest(
+        gamma_schedule=f"GAMMA_SCHEDULE_{gamma_schedule.upper()}" if gamma_schedule else "GAMMA_SCHEDULE_UNSPECIFIED",
         stop=stop or [],
         ignore_eos=ignore_eos,
         include_rounds=include_rounds,
@@ -76,6 +80,8 @@ def response_to_dict(response: generation_pb2.GenerateResponse) -> dict:
             "mean_tokens_per_round": spec.mean_tokens_per_round,
             "num_speculative_tokens": spec.num_speculative_tokens,
             "fallback_reason": spec.fallback_reason,
+            "overlap": spec.overlap,
+            "overlapped_rounds": spec.overlapped_rounds,
         },
         "time_split_us": {name: getattr(response.time_split, name) for name in TIME_SPLIT_FIELDS},
     }

@@ -27,6 +27,7 @@ from common.rounds import Proposal
 from common.sampling import SamplingParams
 from common.telemetry import tracer
 from common.tokenizer import Tokenizer
+from coordinator.gamma_policy import CostModelPolicy, FixedPolicy, HeuristicPolicy
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.output import OutputTracker
 from coordinator.workers import DraftSession, TargetSession, WorkerInfo, Workers
@@ -35,6 +36,7 @@ from specdec.v1 import generation_pb2
 PROVIDER = "specdec"
 log = logging.getLogger("specdec.coordinator")
 DEADLINE_MARGIN = 0.25  # seconds
+DEFAULT_HEURISTIC_START = 4  # Hugging Face starts its heuristic schedule at num_assistant_tokens
 FINISH_REASON_NAMES = {
     generation_pb2.FINISH_REASON_LENGTH: "length",
     generation_pb2.FINISH_REASON_EOS: "stop",
@@ -47,10 +49,12 @@ class GenerationParams:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     max_new_tokens: int
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # -1: chosen each round (auto), 0: off
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     operation: str = "text_completion"  # GenAI operation name: "chat" for chat messages
+    gamma_schedule: str = "cost_model"  # how auto chooses gamma: "cost_model" or "heuristic"
+    overlap: bool = False  # draft round n+1 while the target verifies round n
 
 
 @dataclass
@@ -64,6 +68,7 @@ class TimeSplit:
     network_us: int = 0
     coordinator_us: int = 0
     total_us: int = 0
+    draft_overlapped_us: int = 0  # drafting hidden behind verification; not part of total_us
 
     def add(self, other: "TimeSplit") -> None:
         for name in self.__dataclass_fields__:
@@ -82,6 +87,8 @@ class RoundRecord:
     time_split: TimeSplit
     bytes_sent: int
     bytes_received: int
+    overlapped: bool = False  # the proposal was drafted while the previous round was verified
+    target_batch_size: int = 1
 
     @property
     def rollback(self) -> int:
@@ -98,6 +105,11 @@ class GenerationResult:
     rounds: list[RoundRecord]
     time_split: TimeSplit
     fallback_reason: str = ""
+    overlap: bool = False
+
+    @property
+    def overlapped_rounds(self) -> int:
+        return sum(r.overlapped for r in self.rounds)
 
     @property
     def drafted_tokens(self) -> int:
@@ -118,7 +130,7 @@ class GenerationResult:
 
 @dataclass
 class CoordinatorConfig:
-    default_num_speculative_tokens: int | None = None  # None: 4 with a draft worker, 0 without
+    default_num_speculative_tokens: int | None = None  # None: auto (-1) with a draft worker, 0 without
     max_num_speculative_tokens: int = 16
     default_max_new_tokens: int = 256
     max_new_tokens_cap: int = 4096
@@ -132,24 +144,38 @@ class CoordinatorConfig:
     target_timeout: float = 60.0  # per-round deadline of the target worker
     target_retry_window: float = 30.0  # how long a request keeps reopening a failed target session
     max_target_retries: int = 10
+    overlap: bool = False  # default of GenerateRequest.overlap
 
 
 def elapsed_us(start: float, end: float) -> int:
     return int((end - start) * 1e6)
 
 
-def round_split(proposal: Proposal | None, verdict, draft_rtt_us: int, verify_rtt_us: int, wall_us: int) -> TimeSplit:
-    """A round's time by where it went: worker-reported compute and sync, the rest of each round trip is network."""
+def round_split(
+    proposal: Proposal | None, pre: Proposal | None, verdict, draft_rtt_us: int, verify_rtt_us: int, pre_rtt_us: int, wall_us: int
+) -> TimeSplit:
+    """A round's time by where it went: worker-reported compute and sync, the rest of each round trip is network.
+
+    proposal: drafted before verification (exposed); pre: drafted during it (overlap), whose compute counts as
+    hidden except for what ran past the verification.
+    """
     draft_compute = proposal.compute_us if proposal else 0
     draft_sync = proposal.sync_us if proposal else 0
+    concurrent_us = max(verify_rtt_us, pre_rtt_us)
+    past_verify_us = concurrent_us - verify_rtt_us
+    pre_work = (pre.compute_us + pre.sync_us) if pre else 0
+    pre_exposed = min(pre_work, past_verify_us)
     return TimeSplit(
-        draft_us=draft_compute,
+        draft_us=draft_compute + pre_exposed,
         verify_us=verdict.compute_us,
         sync_us=draft_sync + verdict.sync_us,
         network_us=max(0, draft_rtt_us - draft_compute - draft_sync)
-        + max(0, verify_rtt_us - verdict.compute_us - verdict.sync_us),
-        coordinator_us=max(0, wall_us - draft_rtt_us - verify_rtt_us),
+        + max(0, verify_rtt_us - verdict.compute_us - verdict.sync_us)
+        + past_verify_us
+        - pre_exposed,
+        coordinator_us=max(0, wall_us - draft_rtt_us - concurrent_us),
         total_us=wall_us,
+        draft_overlapped_us=pre_work - pre_exposed,
     )
 
 
@@ -206,6 +232,7 @@ class GenerationEngine:
         self.config = config
         self.metrics = CoordinatorMetrics()
         self.draft_availability = DraftAvailability(config.draft_retry_initial, config.draft_retry_max)
+        self.round_trip_ms = 0.0  # a GetInfo round trip to the target, measured at start-up (see build_engine)
 
     @property
     def max_context_length(self) -> int:
@@ -383,8 +410,8 @@ class RequestRun:
 
     async def open_sessions(self, parent: Context) -> None:
         """Opens (and prefills) both sessions concurrently. A draft that cannot open only turns speculation off."""
-        use_draft = self.params.num_speculative_tokens > 0 and await self.engine.connect_draft()
-        if self.params.num_speculative_tokens > 0 and not use_draft:
+        use_draft = self.params.num_speculative_tokens != 0 and await self.engine.connect_draft()
+        if self.params.num_speculative_tokens != 0 and not use_draft:
             self.fall_back("draft_unavailable" if self.engine.workers.has_draft else "no_draft_worker")
         draft_opening = None
         if use_draft:
@@ -410,15 +437,29 @@ class RequestRun:
             except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
                 self.fall_back("draft_open_failed", error)
 
-    async def propose(self, num_accepted: int, committed: list[int], g: int, parent: Context) -> Proposal | None:
+    async def propose(
+        self, num_accepted: int, committed: list[int], g: int, parent: Context, assume_accepted: bool = False
+    ) -> Proposal | None:
         """The draft's proposal, or None once the draft has failed or missed its per-round deadline."""
         try:
-            return await asyncio.wait_for(self.draft.step(num_accepted, committed, g, parent), self.config.draft_timeout)
+            step = self.draft.step(num_accepted, committed, g, parent, assume_accepted)
+            return await asyncio.wait_for(step, self.config.draft_timeout)
         except asyncio.TimeoutError as error:
             self.fall_back("draft_timeout", error)
         except Exception as error:  # noqa: BLE001 - a failing draft only costs speed
             self.fall_back("draft_failed", error)
         return None
+
+    async def pre_draft(self, sync: "DraftSync", g: int, parent: Context) -> tuple[Proposal | None, int]:
+        """Overlap: drafts the next round while the target verifies this one (see DraftStep.assume_accepted);
+        returns the proposal (None on failure) and its round-trip time."""
+        span = tracer().start_span("draft", context=parent, attributes={"specdec.overlapped": True, "specdec.gamma": g})
+        start = time.perf_counter()
+        try:
+            proposal = await self.propose(*sync.take(), g, span_context(span), assume_accepted=True)
+        finally:
+            span.end()
+        return proposal, elapsed_us(start, time.perf_counter())
 
     async def verify(self, proposal: Proposal | None, parent: Context):
         """The target's verdict; a failed target session is reopened and the same proposal verified again."""
@@ -434,6 +475,22 @@ class RequestRun:
                 self.target_generation += 1
                 await self.open_target(self.output.token_ids, parent, error)
 
+    def make_policy(self):
+        gamma = self.params.num_speculative_tokens
+        if gamma >= 0:
+            return FixedPolicy(gamma)
+        if self.params.gamma_schedule == "heuristic":
+            return HeuristicPolicy(DEFAULT_HEURISTIC_START, self.config.max_num_speculative_tokens)
+        draft = self.engine.draft
+        sampling = self.params.sampling
+        return CostModelPolicy(
+            self.engine.target.forward_costs,
+            draft.forward_costs if draft else [],
+            self.config.max_num_speculative_tokens,
+            overhead_ms=None if sampling.seed is None or sampling.greedy else self.engine.round_trip_ms,
+            live=sampling.seed is None or sampling.greedy,
+        )
+
     async def events(self):
         totals = TimeSplit()
         prefill_span = tracer().start_span("prefill", context=self.root_context)
@@ -443,40 +500,80 @@ class RequestRun:
         finally:
             prefill_span.end()
         totals.prefill_us = elapsed_us(opened, time.perf_counter())
-        gamma = self.params.num_speculative_tokens if self.draft else 0
+        policy = self.make_policy()
+        # The opening's round trip beyond the target's prefill: a first guess of the per-round overhead.
+        policy.observe_overhead(max(0, totals.prefill_us - self.target.prefill_us))
+        speculating = self.draft is not None
+        overlap = self.params.overlap and speculating
         rounds: list[RoundRecord] = []
         first_token_at = None
         output = self.output
         try:
-            # The verdict the draft has not heard of yet: accepted count of its last proposal, then committed tokens.
-            unsent_accepted, unsent_committed = 0, []
+            sync = DraftSync()  # what the draft has not heard of yet
+            ready: Proposal | None = None  # drafted during the previous round, consistent with the committed tokens
             round_start = time.perf_counter()
             while not output.finished:
-                g = min(gamma, output.remaining - 1) if self.draft else 0
+                room = output.remaining - 1
+                overlapped = ready is not None
+                if ready is not None:
+                    proposal, exposed, g = truncated(ready, room), None, len(ready.token_ids)
+                    ready = None
+                else:
+                    g = policy.choose(room) if self.draft else 0
+                    proposal = exposed = None
                 round_span = tracer().start_span("speculate", context=self.root_context, attributes={"specdec.gamma": g})
                 round_context = span_context(round_span)
-                proposal = None
                 t0 = time.perf_counter()
-                if g > 0:
+                if g > 0 and not overlapped:
                     draft_span = tracer().start_span("draft", context=round_context)
                     try:
-                        proposal = await self.propose(unsent_accepted, unsent_committed, g, span_context(draft_span))
+                        proposal = exposed = await self.propose(*sync.take(), g, span_context(draft_span))
                     finally:
                         draft_span.end()
-                    unsent_accepted, unsent_committed = 0, []
+                    if exposed is not None:
+                        policy.observe_draft(len(exposed.token_ids), exposed.compute_us)
                 t1 = time.perf_counter()
+                drafted = proposal.token_ids if proposal else []
+                pre_task = None
+                if overlap and self.draft is not None and output.remaining > len(drafted) + 2:
+                    g_next = policy.choose(output.remaining - len(drafted) - 2, hidden_behind=len(drafted) + 1)
+                    if g_next > 0:
+                        pre_task = asyncio.ensure_future(self.pre_draft(sync, g_next, round_context))
                 verify_span = tracer().start_span("verify", context=round_context)
                 try:
                     verdict = await self.verify(proposal, span_context(verify_span))
+                except BaseException:
+                    if pre_task is not None:
+                        pre_task.cancel()
+                    raise
                 finally:
                     verify_span.end()
                 t2 = time.perf_counter()
-                drafted = proposal.token_ids if proposal else []
+                pre, pre_rtt = (await pre_task) if pre_task is not None else (None, 0)
                 committed = drafted[: verdict.num_accepted] + [verdict.next_token]
-                if proposal is not None:
-                    unsent_accepted, unsent_committed = verdict.num_accepted, [verdict.next_token]
+                hit = (
+                    pre is not None
+                    and verdict.num_accepted == len(drafted)
+                    and pre.assumed_token == verdict.next_token
+                    and self.draft is not None
+                )
+                if hit:
+                    sync.confirm(len(drafted) + 1)
+                    ready = pre if pre.token_ids else None
+                elif proposal is not None or pre_task is not None:
+                    sync.reject(verdict.num_accepted, verdict.next_token)
                 else:
-                    unsent_committed = unsent_committed + committed
+                    sync.commit_unheard(committed)
+                policy.observe(
+                    len(drafted),
+                    verdict.num_accepted,
+                    len(drafted) + 1,
+                    verdict.compute_us,
+                    verdict.batch_size,
+                    verdict.batch_tokens,
+                )
+                if pre is not None:
+                    policy.observe_draft(len(pre.token_ids) + 1, pre.compute_us)
                 delta = output.add(committed)
                 if delta.token_ids or delta.text:
                     if first_token_at is None:
@@ -484,16 +581,26 @@ class RequestRun:
                     yield delta
                 # A round ends where the next begins, so the time spent streaming its delta counts in it.
                 round_end = time.perf_counter()
+                split = round_split(
+                    exposed,
+                    pre,
+                    verdict,
+                    elapsed_us(t0, t1),
+                    elapsed_us(t1, t2),
+                    pre_rtt,
+                    elapsed_us(round_start, round_end),
+                )
+                policy.observe_overhead(split.network_us + split.coordinator_us)
                 record = RoundRecord(
                     gamma=g,
                     drafted=len(drafted),
                     accepted=verdict.num_accepted,
                     committed=len(committed),
-                    time_split=round_split(
-                        proposal, verdict, elapsed_us(t0, t1), elapsed_us(t1, t2), elapsed_us(round_start, round_end)
-                    ),
-                    bytes_sent=(proposal.bytes_sent if proposal else 0) + verdict.bytes_sent,
-                    bytes_received=(proposal.bytes_received if proposal else 0) + verdict.bytes_received,
+                    time_split=split,
+                    bytes_sent=sum(p.bytes_sent for p in (exposed, pre) if p) + verdict.bytes_sent,
+                    bytes_received=sum(p.bytes_received for p in (exposed, pre) if p) + verdict.bytes_received,
+                    overlapped=overlapped,
+                    target_batch_size=verdict.batch_size,
                 )
                 round_start = round_end
                 rounds.append(record)
@@ -512,10 +619,11 @@ class RequestRun:
             token_ids=output.token_ids,
             finish_reason=output.finish_reason,
             prompt_tokens=len(self.params.prompt_token_ids),
-            num_speculative_tokens=gamma,
+            num_speculative_tokens=self.params.num_speculative_tokens if speculating else 0,
             rounds=rounds,
             time_split=totals,
             fallback_reason=self.fallback_reason,
+            overlap=overlap,
         )
         self.root.set_attributes(
             {
@@ -525,6 +633,7 @@ class RequestRun:
                 "specdec.rounds": len(rounds),
                 "specdec.drafted_tokens": result.drafted_tokens,
                 "specdec.accepted_tokens": result.accepted_tokens,
+                "specdec.overlapped_rounds": result.overlapped_rounds,
                 **totals.attributes("specdec.time"),
             }
         )
@@ -532,6 +641,45 @@ class RequestRun:
             self.params, result, self.engine.target.model_name, first_token_at, self.started, finished
         )
         yield result
+
+
+class DraftSync:
+    """What the draft worker has not heard of yet, sent with the next draft step (see DraftStep).
+
+    confirmed: tokens of the draft's chain (its proposals and assumed tokens since the last sync) the target has
+    committed; committed: tokens committed after them that the chain does not hold. Overlap hits extend the chain
+    without a sync; any other verdict needs one.
+    """
+
+    def __init__(self):
+        self.confirmed = 0
+        self.committed: list[int] = []
+
+    def take(self) -> tuple[int, list[int]]:
+        """(num_accepted, committed_token_ids) for the next step; nothing to apply while the chain is all valid."""
+        if not self.committed:
+            return 0, []
+        sync = (self.confirmed, self.committed)
+        self.confirmed, self.committed = 0, []
+        return sync
+
+    def confirm(self, tokens: int) -> None:
+        self.confirmed += tokens
+
+    def reject(self, accepted: int, next_token: int) -> None:
+        """The target accepted `accepted` of the chain's outstanding tokens, then committed next_token."""
+        self.confirmed += accepted
+        self.committed = [next_token]
+
+    def commit_unheard(self, tokens: list[int]) -> None:
+        """A round the draft took no part in."""
+        self.committed = self.committed + tokens
+
+
+def truncated(proposal: Proposal, room: int) -> Proposal:
+    if len(proposal.token_ids) <= room:
+        return proposal
+    return replace(proposal, token_ids=proposal.token_ids[:room], distributions=proposal.distributions[:room])
 
 
 def round_attributes(record: RoundRecord) -> dict:
@@ -543,6 +691,8 @@ def round_attributes(record: RoundRecord) -> dict:
         "specdec.committed": record.committed,
         "specdec.bytes_sent": record.bytes_sent,
         "specdec.bytes_received": record.bytes_received,
+        "specdec.overlapped": record.overlapped,
+        "specdec.target_batch_size": record.target_batch_size,
         **record.time_split.attributes("specdec.time"),
     }
 

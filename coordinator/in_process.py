@@ -34,8 +34,15 @@ class InProcessDraftSession:
         self.engine = engine
         self.handle, _, self.prefill_us = call_in_context(parent, engine.open_session, prompt, params, max_q_entries)
 
-    async def step(self, num_accepted: int, committed: list[int], num_tokens: int, parent: Context | None = None) -> Proposal:
-        return call_in_context(parent, self.engine.step, self.handle, num_accepted, committed, num_tokens)
+    async def step(
+        self,
+        num_accepted: int,
+        committed: list[int],
+        num_tokens: int,
+        parent: Context | None = None,
+        assume_accepted: bool = False,
+    ) -> Proposal:
+        return call_in_context(parent, self.engine.step, self.handle, num_accepted, committed, num_tokens, assume_accepted)
 
     async def close(self) -> None:
         self.engine.close_session(self.handle)

@@ -10,6 +10,12 @@ from coordinator.output import Delta
 from specdec.v1 import generation_pb2
 
 MAX_STOP_STRINGS = 16
+AUTO_GAMMA = -1
+GAMMA_SCHEDULES = {
+    generation_pb2.GAMMA_SCHEDULE_UNSPECIFIED: "cost_model",
+    generation_pb2.GAMMA_SCHEDULE_COST_MODEL: "cost_model",
+    generation_pb2.GAMMA_SCHEDULE_HEURISTIC: "heuristic",
+}
 
 
 def prompt_tokens_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
@@ -55,8 +61,12 @@ def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer, con
     gamma = (
         request.num_speculative_tokens if request.HasField("num_speculative_tokens") else config.default_num_speculative_tokens
     )
-    if not 0 <= gamma <= config.max_num_speculative_tokens:
-        raise InvalidArgument("num_speculative_tokens", f"must be in [0, {config.max_num_speculative_tokens}], got {gamma}")
+    if not AUTO_GAMMA <= gamma <= config.max_num_speculative_tokens:
+        raise InvalidArgument(
+            "num_speculative_tokens", f"must be -1 (auto) or in [0, {config.max_num_speculative_tokens}], got {gamma}"
+        )
+    if request.gamma_schedule not in GAMMA_SCHEDULES:
+        raise InvalidArgument("gamma_schedule", f"unknown value {request.gamma_schedule}")
     stop = list(request.stop)
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
@@ -69,6 +79,8 @@ def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer, con
         stop=stop,
         ignore_eos=request.ignore_eos,
         operation="chat" if request.WhichOneof("input") == "messages" else "text_completion",
+        gamma_schedule=GAMMA_SCHEDULES[request.gamma_schedule],
+        overlap=request.overlap if request.HasField("overlap") else config.overlap,
     )
 
 
@@ -86,6 +98,8 @@ def round_of(record: RoundRecord) -> generation_pb2.SpeculationRound:
         time_split=time_split_of(record.time_split),
         bytes_sent=record.bytes_sent,
         bytes_received=record.bytes_received,
+        overlapped=record.overlapped,
+        target_batch_size=record.target_batch_size,
     )
 
 
@@ -103,6 +117,8 @@ def response_of(result: GenerationResult, include_rounds: bool = False) -> gener
             mean_tokens_per_round=result.mean_tokens_per_round,
             num_speculative_tokens=result.num_speculative_tokens,
             fallback_reason=result.fallback_reason,
+            overlap=result.overlap,
+            overlapped_rounds=result.overlapped_rounds,
         ),
         time_split=time_split_of(result.time_split),
         rounds=[round_of(r) for r in result.rounds] if include_rounds else [],

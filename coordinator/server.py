@@ -6,6 +6,8 @@ import contextlib
 import hmac
 import logging
 import socket
+import statistics
+import time
 
 import grpc
 
@@ -80,12 +82,8 @@ class GenerationServicer:
 
 
 def default_gamma_for(has_draft: bool) -> int:
-    """4 draft tokens per round, or none without a draft.
-
-    Measured here (SmolLM2-135M, CPU): verifying 5 tokens costs less than verifying 2 or 3, because the CPU matmul
-    kernels change at 4 rows, so gamma 4 beats gamma 2 even for prompt lookup.
-    """
-    return 4 if has_draft else 0
+    """Auto (-1: chosen each round from the measured costs and acceptance), or no speculation without a draft."""
+    return -1 if has_draft else 0
 
 
 async def build_engine(
@@ -107,7 +105,19 @@ async def build_engine(
     check_pair(target, draft, tokenizer.fingerprint)
     if config.default_num_speculative_tokens is None:
         config.default_num_speculative_tokens = default_gamma_for(workers.has_draft)
-    return GenerationEngine(workers, tokenizer, target, draft, config)
+    engine = GenerationEngine(workers, tokenizer, target, draft, config)
+    engine.round_trip_ms = await round_trip_ms(workers)
+    return engine
+
+
+async def round_trip_ms(workers: Workers, samples: int = 5) -> float:
+    """Median time of a GetInfo call to the target: the fixed per-round overhead seeded requests plan with."""
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        await workers.target_info()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def advertised_host(host: str) -> str:

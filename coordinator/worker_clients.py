@@ -20,7 +20,10 @@ INFO_FIELDS = [f.name for f in worker_pb2.GetInfoResponse.DESCRIPTOR.fields if f
 
 
 def info_from_proto(msg: worker_pb2.GetInfoResponse) -> WorkerInfo:
-    return WorkerInfo(**{name: (list(v) if name == "eos_token_ids" else v) for name in INFO_FIELDS for v in [getattr(msg, name)]})
+    fields = {name: getattr(msg, name) for name in INFO_FIELDS}
+    fields["eos_token_ids"] = list(msg.eos_token_ids)
+    fields["forward_costs"] = [(c.tokens, c.milliseconds) for c in msg.forward_costs]
+    return WorkerInfo(**fields)
 
 
 def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> Exception:
@@ -114,6 +117,8 @@ class GrpcTargetSession(StreamSession):
             sync_us=result.timing.sync_us,
             bytes_sent=sent,
             bytes_received=received,
+            batch_size=result.timing.batch_size,
+            batch_tokens=result.timing.batch_tokens,
         )
 
 
@@ -130,8 +135,17 @@ class GrpcDraftSession(StreamSession):
         self.prefill_us = response.started.timing.compute_us
         return self
 
-    async def step(self, num_accepted: int, committed: list[int], num_tokens: int, parent: Context | None = None) -> Proposal:
-        step = draft_pb2.DraftStep(num_accepted=num_accepted, committed_token_ids=committed, num_tokens=num_tokens)
+    async def step(
+        self,
+        num_accepted: int,
+        committed: list[int],
+        num_tokens: int,
+        parent: Context | None = None,
+        assume_accepted: bool = False,
+    ) -> Proposal:
+        step = draft_pb2.DraftStep(
+            num_accepted=num_accepted, committed_token_ids=committed, num_tokens=num_tokens, assume_accepted=assume_accepted
+        )
         response, sent, received = await self.exchange(draft_pb2.DraftRequest(step=step), parent)
         proposal = response.proposal
         return Proposal(
@@ -141,6 +155,8 @@ class GrpcDraftSession(StreamSession):
             sync_us=proposal.timing.sync_us,
             bytes_sent=sent,
             bytes_received=received,
+            assumed_token=proposal.assumed_token_id if proposal.HasField("assumed_token_id") else None,
+            batch_size=proposal.timing.batch_size,
         )
 
 

@@ -28,12 +28,20 @@ class WorkerInfo:
     active_sessions: int
     max_sessions: int
     eos_token_ids: list[int] = field(default_factory=list)
+    forward_costs: list[tuple[int, float]] = field(default_factory=list)  # (tokens, ms), see worker.proto
 
 
 class DraftSession(Protocol):
     prefill_us: int
 
-    async def step(self, num_accepted: int, committed: list[int], num_tokens: int, parent: Context | None = None) -> Proposal: ...
+    async def step(
+        self,
+        num_accepted: int,
+        committed: list[int],
+        num_tokens: int,
+        parent: Context | None = None,
+        assume_accepted: bool = False,
+    ) -> Proposal: ...
 
     async def close(self) -> None: ...
 

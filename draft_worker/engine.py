@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.cached_sequence import CachedSequence, elapsed_us
+from opentelemetry.context import Context
+
+from common.batched_forward import use_ragged_attention
+from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
+from common.cost_curve import measure_forward_costs
 from common.errors import FailedPrecondition, InvalidArgument
 from common.models import LoadedModel
 from common.rounds import Proposal
@@ -31,14 +35,21 @@ CERTAIN = torch.ones(1)
 
 
 class ModelDraftSession:
-    """Per round.md: after proposing x1..xg the cache holds S + x1..x(g-1); a sync crops the rejected ones."""
+    """Per round.md: after proposing x1..xg the cache holds S + x1..x(g-1); a sync crops the rejected ones.
+
+    The chain holds what the draft proposed (and, with overlap, assumed) since the last sync, in order; a sync
+    keeps its first num_accepted tokens. A step is a few forward passes, driven one at a time by DraftEngine so
+    that the passes of all sessions in a batch run together: next_feed() says what to feed, consume() takes the
+    logits and samples.
+    """
 
     def __init__(self, model: torch.nn.Module, prompt: list[int], params: SamplingParams, max_q_entries: int):
         self.sequence = CachedSequence(model, prompt)
         self.params = params
         self.generator = make_generator(params.seed, "draft")
         self.max_q_entries = max_q_entries
-        self.proposal: list[int] = []
+        self.chain: list[int] = []
+        self.start_step(0, False)
 
     @property
     def tokens(self) -> list[int]:
@@ -51,21 +62,33 @@ class ModelDraftSession:
     def sync(self, num_accepted: int, committed: list[int]) -> None:
         sequence = self.sequence
         sequence.rollback(len(sequence.tokens) + num_accepted)
-        sequence.tokens += self.proposal[:num_accepted] + committed
-        self.proposal = []
+        sequence.tokens += self.chain[:num_accepted] + committed
+        self.chain = []
 
-    def propose(self, num_tokens: int) -> Proposal:
-        tokens, dists = [], []
-        feed = self.sequence.pending()
-        for _ in range(num_tokens):
-            logits = self.sequence.forward(feed, 1)[-1]
+    def start_step(self, num_tokens: int, assume_accepted: bool) -> None:
+        self.remaining = num_tokens
+        self.guessing = assume_accepted and num_tokens > 0
+        self.proposal = Proposal([], [])
+
+    def next_feed(self) -> list[int] | None:
+        """The tokens of the next forward pass (everything of S + chain not yet cached), or None when done."""
+        if self.remaining == 0:
+            return None
+        return (self.sequence.tokens + self.chain)[self.sequence.cache_len :]
+
+    def consume(self, logits: torch.Tensor) -> None:
+        if self.guessing:
+            # The target's bonus token is unknown while it verifies: stand in the draft's likeliest token.
+            token = int(logits.argmax())
+            self.proposal.assumed_token = token
+            self.guessing = False
+        else:
             q = truncate_probs(logits_to_probs(logits, self.params), self.max_q_entries)
             token = sample_sparse(q, self.generator)
-            tokens.append(token)
-            dists.append(q)
-            feed = [token]
-        self.proposal = tokens
-        return Proposal(tokens, dists)
+            self.proposal.token_ids.append(token)
+            self.proposal.distributions.append(q)
+            self.remaining -= 1
+        self.chain.append(token)
 
 
 class NgramDraftSession:
@@ -74,19 +97,27 @@ class NgramDraftSession:
     def __init__(self, prompt: list[int], max_n: int, min_n: int):
         self.tokens = list(prompt)
         self.max_n, self.min_n = max_n, min_n
-        self.proposal: list[int] = []
+        self.chain: list[int] = []
 
     def prefill(self) -> int:
         return 0
 
     def sync(self, num_accepted: int, committed: list[int]) -> None:
-        self.tokens += self.proposal[:num_accepted] + committed
-        self.proposal = []
+        self.tokens += self.chain[:num_accepted] + committed
+        self.chain = []
 
-    def propose(self, num_tokens: int) -> Proposal:
-        self.proposal = find_continuation(self.tokens, num_tokens, self.max_n, self.min_n)
-        dists = [SparseDistribution(torch.tensor([t]), CERTAIN) for t in self.proposal]
-        return Proposal(list(self.proposal), dists)
+    def propose(self, num_tokens: int, assume_accepted: bool) -> Proposal:
+        """With assume_accepted the lookup's first token stands in for the target's bonus token."""
+        found = find_continuation(self.tokens + self.chain, num_tokens + assume_accepted, self.max_n, self.min_n)
+        self.chain += found
+        proposal = Proposal([], [])
+        if assume_accepted:
+            if not found:
+                return proposal
+            proposal.assumed_token, found = found[0], found[1:]
+        proposal.token_ids = found
+        proposal.distributions = [SparseDistribution(torch.tensor([t]), CERTAIN) for t in found]
+        return proposal
 
 
 DraftSession = ModelDraftSession | NgramDraftSession
@@ -99,6 +130,19 @@ class DraftSessionHandle:
     last_active: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class DraftCall:
+    """One session's step in a batch, per DraftStep (see draft.proto)."""
+
+    handle: DraftSessionHandle
+    num_accepted: int
+    committed: list[int]
+    num_tokens: int
+    assume_accepted: bool = False
+    parent: Context | None = None
+    sync_us: int = 0
+
+
 class DraftEngine:
     """Serves a draft model, or the prompt-lookup proposer when loaded is None."""
 
@@ -109,8 +153,12 @@ class DraftEngine:
         ngram: tuple[int, int] = (3, 1),
         max_sessions: int = 64,
         default_max_q_entries: int = DEFAULT_MAX_Q_ENTRIES,
+        calibrate: bool = True,
     ):
         self.loaded = loaded
+        if loaded:
+            use_ragged_attention(loaded.model)
+        self.forward_costs = measure_forward_costs(loaded.model, loaded.vocab_size) if loaded and calibrate else []
         self.name = name
         self.ngram = ngram
         self.default_max_q_entries = default_max_q_entries
@@ -151,35 +199,90 @@ class DraftEngine:
         self.sessions.add(session_id, handle)
         return handle, cached, elapsed_us(start)
 
-    def step(self, handle: DraftSessionHandle, num_accepted: int, committed: list[int], num_tokens: int) -> Proposal:
-        """Applies the previous round's outcome (crop the rejected drafts, append committed), then proposes."""
+    def step(
+        self, handle: DraftSessionHandle, num_accepted: int, committed: list[int], num_tokens: int, assume_accepted: bool = False
+    ) -> Proposal:
+        """One session's step on its own (a batch of one)."""
+        proposal = self.step_batch([DraftCall(handle, num_accepted, committed, num_tokens, assume_accepted)])[0]
+        if isinstance(proposal, Exception):
+            raise proposal
+        return proposal
+
+    def check_step(self, call: "DraftCall") -> None:
+        handle, state = call.handle, call.handle.state
         if handle.session_id not in self.sessions.sessions:
             raise FailedPrecondition("the session is closed")
-        state = handle.state
-        if not 0 <= num_accepted <= len(state.proposal):
-            raise InvalidArgument("step.num_accepted", f"must be in [0, {len(state.proposal)}], got {num_accepted}")
-        if num_tokens < 0:
-            raise InvalidArgument("step.num_tokens", f"must be >= 0, got {num_tokens}")
+        if not 0 <= call.num_accepted <= len(state.chain):
+            raise InvalidArgument("step.num_accepted", f"must be in [0, {len(state.chain)}], got {call.num_accepted}")
+        if call.num_accepted and not call.committed:
+            raise InvalidArgument("step.num_accepted", "must be 0 when no committed_token_ids come with it")
+        if call.num_tokens < 0:
+            raise InvalidArgument("step.num_tokens", f"must be >= 0, got {call.num_tokens}")
         if self.loaded:
-            check_token_ids(committed, self.vocab_size, "step.committed_token_ids")
+            check_token_ids(call.committed, self.vocab_size, "step.committed_token_ids")
             limit = self.max_context_length
-            if limit and len(state.tokens) + num_accepted + len(committed) + num_tokens > limit:
+            kept = call.num_accepted + len(call.committed) if call.committed else len(state.chain)
+            if limit and len(state.tokens) + kept + call.num_tokens + call.assume_accepted > limit:
                 raise InvalidArgument("step.num_tokens", f"the sequence would exceed the draft's context of {limit} tokens")
-        handle.last_active = time.monotonic()
-        with tracer().start_as_current_span(
-            "kv.rollback", attributes={"specdec.worker": "draft", "specdec.accepted": num_accepted}
-        ):
-            sync_start = time.perf_counter()
-            state.sync(num_accepted, committed)
-            sync_us = elapsed_us(sync_start)
-        self.metrics.record_rollback(sync_us / 1e6)
+
+    def step_batch(self, calls: list["DraftCall"]) -> list[Proposal | Exception]:
+        """Applies each session's previous outcome (crop the rejected drafts, append committed), then proposes for
+        all of them: the k-th forward pass of every model session runs as one batch. A call that fails its checks
+        gets its error; the others still run."""
+        results: list[Proposal | Exception | None] = [None] * len(calls)
+        ready = []
+        for i, call in enumerate(calls):
+            try:
+                self.check_step(call)
+                ready.append(i)
+            except Exception as error:  # noqa: BLE001 - one bad message fails its own stream only
+                results[i] = error
+        spans = {}
+        for i in ready:
+            call = calls[i]
+            call.handle.last_active = time.monotonic()
+            with tracer().start_as_current_span(
+                "kv.rollback", context=call.parent, attributes={"specdec.worker": "draft", "specdec.accepted": call.num_accepted}
+            ):
+                sync_start = time.perf_counter()
+                if call.committed:  # else no verdict to apply: keep building on the chain
+                    call.handle.state.sync(call.num_accepted, call.committed)
+                call.sync_us = elapsed_us(sync_start)
+            self.metrics.record_rollback(call.sync_us / 1e6)
+            spans[i] = tracer().start_span(
+                "draft.propose",
+                context=call.parent,
+                attributes={"specdec.gamma": call.num_tokens, "specdec.assume_accepted": call.assume_accepted},
+            )
         start = time.perf_counter()
-        with tracer().start_as_current_span("draft.propose", attributes={"specdec.gamma": num_tokens}) as span:
-            proposal = state.propose(num_tokens) if num_tokens else Proposal([], [])
-            span.set_attribute("specdec.drafted", len(proposal.token_ids))
-        proposal.compute_us, proposal.sync_us = elapsed_us(start), sync_us
-        self.metrics.record_forward("propose", proposal.compute_us / 1e6)
-        return proposal
+        if self.loaded:
+            states = [calls[i].handle.state for i in ready]
+            for state, i in zip(states, ready, strict=True):
+                state.start_step(calls[i].num_tokens, calls[i].assume_accepted)
+            self.run_model_steps(states)
+            proposals = [state.proposal for state in states]
+        else:
+            proposals = [calls[i].handle.state.propose(calls[i].num_tokens, calls[i].assume_accepted) for i in ready]
+        compute_us = elapsed_us(start)
+        for i, proposal in zip(ready, proposals, strict=True):
+            proposal.compute_us, proposal.sync_us, proposal.batch_size = compute_us, calls[i].sync_us, len(ready)
+            spans[i].set_attributes({"specdec.drafted": len(proposal.token_ids), "specdec.batch_size": len(ready)})
+            spans[i].end()
+            results[i] = proposal
+        if ready:
+            self.metrics.record_forward("propose", compute_us / 1e6)
+        return results
+
+    def run_model_steps(self, states: list[ModelDraftSession]) -> None:
+        """Forward passes until every session has proposed its tokens; each pass batches all unfinished sessions."""
+        while True:
+            feeds = [(state, state.next_feed()) for state in states]
+            feeds = [(state, feed) for state, feed in feeds if feed is not None]
+            if not feeds:
+                return
+            logits = forward_batch([s.sequence for s, _ in feeds], [f for _, f in feeds], [1] * len(feeds))
+            for (state, _), rows in zip(feeds, logits, strict=True):
+                state.consume(rows[-1])
 
     def close_session(self, handle: DraftSessionHandle) -> None:
         self.sessions.remove(handle.session_id)
@@ -196,4 +299,5 @@ class DraftEngine:
             "active_sessions": len(self.sessions),
             "max_sessions": self.sessions.max_sessions,
             "eos_token_ids": loaded.tokenizer.eos_token_ids if loaded else [],
+            "forward_costs": self.forward_costs,
         }

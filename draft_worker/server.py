@@ -5,7 +5,7 @@ import grpc
 from common.models import load_model
 from common.protocol import distribution_to_proto, sampling_from_proto, timing_to_proto
 from common.server import ServerOptions, SessionStreamServicer, serve_worker, start_serving
-from draft_worker.engine import DraftEngine
+from draft_worker.engine import DraftCall, DraftEngine
 from draft_worker.ngram import is_ngram, parse_ngram
 from specdec.v1 import draft_pb2, worker_pb2
 
@@ -31,16 +31,27 @@ class DraftServicer(SessionStreamServicer):
 
     async def step(self, handle, request):
         step = request.step
-        proposal = await self.run(
-            request, self.engine.step, handle, step.num_accepted, list(step.committed_token_ids), step.num_tokens
+        proposal = await self.batcher.submit(
+            DraftCall(
+                handle,
+                step.num_accepted,
+                list(step.committed_token_ids),
+                step.num_tokens,
+                step.assume_accepted,
+                self.parent(request),
+            )
         )
         return draft_pb2.DraftResponse(
             proposal=draft_pb2.DraftProposal(
                 token_ids=proposal.token_ids,
                 distributions=[distribution_to_proto(d) for d in proposal.distributions],
-                timing=timing_to_proto(proposal.compute_us, proposal.sync_us),
+                timing=timing_to_proto(proposal.compute_us, proposal.sync_us, proposal.batch_size),
+                assumed_token_id=proposal.assumed_token,
             )
         )
+
+    def run_batch(self, calls):
+        return self.engine.step_batch(calls)
 
     def close(self, handle) -> None:
         self.engine.close_session(handle)

@@ -1,6 +1,8 @@
 """Verification on the target model: one forward pass per round, the acceptance test, and the cache rollback.
 
-The engine knows nothing of gRPC; target_worker.server translates protobuf to calls on it.
+The rounds of all sessions that are ready run as one batched forward pass (verify_batch); each session's
+verdict depends only on its own tokens and random stream, never on what it was batched with. The engine knows
+nothing of gRPC; target_worker.server translates protobuf to calls on it.
 """
 
 import time
@@ -8,7 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.cached_sequence import CachedSequence, elapsed_us
+from opentelemetry.context import Context
+
+from common.batched_forward import use_ragged_attention
+from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
+from common.cost_curve import measure_forward_costs
 from common.errors import FailedPrecondition, InvalidArgument
 from common.models import LoadedModel
 from common.rounds import Verdict
@@ -37,6 +43,16 @@ class TargetSession:
 
 
 @dataclass
+class VerifyCall:
+    """One session's round in a batch: its draft tokens, their q, and the trace context it belongs to."""
+
+    session: TargetSession
+    draft_tokens: list[int]
+    draft_dists: list[SparseDistribution]
+    parent: Context | None = None
+
+
+@dataclass
 class SessionOpened:
     session_id: str
     cached_tokens: int
@@ -44,10 +60,12 @@ class SessionOpened:
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, max_sessions: int = 64):
+    def __init__(self, loaded: LoadedModel, max_sessions: int = 64, calibrate: bool = True):
         self.loaded = loaded
+        use_ragged_attention(loaded.model)
         self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions)
         self.metrics = WorkerMetrics("target", self.sessions)
+        self.forward_costs = measure_forward_costs(loaded.model, loaded.vocab_size) if calibrate else []
 
     def open_session(
         self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0
@@ -82,25 +100,75 @@ class TargetEngine:
             raise InvalidArgument("step.draft_token_ids", f"the sequence would exceed the model's context of {limit} tokens")
 
     def verify(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict:
-        """Scores [pending, x1..xg] in one pass, accepts a prefix, and crops the rejected tail off the cache."""
-        if session.session_id not in self.sessions.sessions:
-            raise FailedPrecondition("the session is closed")
-        self.check_step(session, draft_tokens, draft_dists)
+        """One session's round on its own (a batch of one)."""
+        verdict = self.verify_batch([VerifyCall(session, draft_tokens, draft_dists)])[0]
+        if isinstance(verdict, Exception):
+            raise verdict
+        return verdict
+
+    def verify_batch(self, calls: list[VerifyCall]) -> list[Verdict | Exception]:
+        """Scores every session's [pending, x1..xg] in one forward pass, then per session accepts a prefix and crops
+        the rejected tail off its cache. A call that fails its checks gets its error; the others still run."""
+        results: list[Verdict | Exception | None] = [None] * len(calls)
+        ready = []
+        for i, call in enumerate(calls):
+            try:
+                if call.session.session_id not in self.sessions.sessions:
+                    raise FailedPrecondition("the session is closed")
+                self.check_step(call.session, call.draft_tokens, call.draft_dists)
+                ready.append(i)
+            except Exception as error:  # noqa: BLE001 - one bad message fails its own stream only
+                results[i] = error
+        if not ready:
+            return results
+        feeds = [calls[i].session.sequence.pending() + calls[i].draft_tokens for i in ready]
+        batch_tokens = sum(len(f) for f in feeds)
+        start = time.perf_counter()
+        spans = [
+            tracer().start_span(
+                "target.verify",
+                context=calls[i].parent,
+                attributes={
+                    "specdec.gamma": len(calls[i].draft_tokens),
+                    "specdec.batch_size": len(ready),
+                    "specdec.batch_tokens": batch_tokens,
+                },
+            )
+            for i in ready
+        ]
+        logits = forward_batch([calls[i].session.sequence for i in ready], feeds, [len(calls[i].draft_tokens) + 1 for i in ready])
+        forward_us = elapsed_us(start)
+        for i, span, rows in zip(ready, spans, logits, strict=True):
+            try:
+                verdict = self.decide(calls[i], rows, span)
+            except Exception as error:  # noqa: BLE001 - fails this session's stream (and frees it), not the batch
+                span.end()
+                results[i] = error
+                continue
+            verdict.batch_size, verdict.batch_tokens = len(ready), batch_tokens
+            verdict.compute_us += forward_us
+            results[i] = verdict
+        self.metrics.record_forward("verify", elapsed_us(start) / 1e6)
+        return results
+
+    def decide(self, call: VerifyCall, logits: torch.Tensor, span) -> Verdict:
+        """The acceptance test on one session's scored rows, and the rollback of what it rejected."""
+        session, draft_tokens = call.session, call.draft_tokens
         session.last_active = time.monotonic()
         start = time.perf_counter()
-        sequence = session.sequence
         gamma = len(draft_tokens)
-        with tracer().start_as_current_span("target.verify", attributes={"specdec.gamma": gamma}) as span:
-            logits = sequence.forward(sequence.pending() + draft_tokens, gamma + 1)
-            probs = logits_to_probs(logits, session.params)
-            num_accepted, next_token = verify_draft(probs, draft_tokens, draft_dists, session.params, session.generator)
-            draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
-            distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
-            span.set_attributes({"specdec.accepted": num_accepted, "specdec.rollback": gamma - num_accepted})
+        probs = logits_to_probs(logits, session.params)
+        num_accepted, next_token = verify_draft(probs, draft_tokens, call.draft_dists, session.params, session.generator)
+        draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
+        distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
+        span.set_attributes({"specdec.accepted": num_accepted, "specdec.rollback": gamma - num_accepted})
+        span.end()
         compute_us = elapsed_us(start)
-        self.metrics.record_forward("verify", compute_us / 1e6)
+        sequence = session.sequence
         with tracer().start_as_current_span(
-            "kv.rollback", attributes={"specdec.worker": "target", "specdec.rollback": gamma - num_accepted}
+            "kv.rollback",
+            context=call.parent,
+            attributes={"specdec.worker": "target", "specdec.rollback": gamma - num_accepted},
         ):
             sync_start = time.perf_counter()
             sequence.rollback(len(sequence.tokens) + num_accepted)
@@ -124,4 +192,5 @@ class TargetEngine:
             "active_sessions": len(self.sessions),
             "max_sessions": self.sessions.max_sessions,
             "eos_token_ids": loaded.tokenizer.eos_token_ids,
+            "forward_costs": self.forward_costs,
         }

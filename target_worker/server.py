@@ -6,7 +6,7 @@ from common.models import load_model
 from common.protocol import distribution_from_proto, distribution_to_proto, sampling_from_proto, timing_to_proto
 from common.server import ServerOptions, SessionStreamServicer, serve_worker, start_serving
 from specdec.v1 import target_pb2, worker_pb2
-from target_worker.engine import TargetEngine
+from target_worker.engine import TargetEngine, VerifyCall
 
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
 
@@ -31,7 +31,7 @@ class TargetServicer(SessionStreamServicer):
     async def step(self, session, request):
         step = request.step
         dists = [distribution_from_proto(d) for d in step.draft_distributions]
-        verdict = await self.run(request, self.engine.verify, session, list(step.draft_token_ids), dists)
+        verdict = await self.batcher.submit(VerifyCall(session, list(step.draft_token_ids), dists, self.parent(request)))
         return target_pb2.VerifyResponse(
             result=target_pb2.VerifyResult(
                 num_accepted=verdict.num_accepted,
@@ -39,9 +39,12 @@ class TargetServicer(SessionStreamServicer):
                 rollback=verdict.rollback,
                 draft_token_probs=verdict.draft_token_probs,
                 distributions=[distribution_to_proto(d) for d in verdict.distributions],
-                timing=timing_to_proto(verdict.compute_us, verdict.sync_us),
+                timing=timing_to_proto(verdict.compute_us, verdict.sync_us, verdict.batch_size, verdict.batch_tokens),
             )
         )
+
+    def run_batch(self, calls):
+        return self.engine.verify_batch(calls)
 
     def close(self, session) -> None:
         self.engine.close_session(session)

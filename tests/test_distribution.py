@@ -33,31 +33,46 @@ def models():
     return load_model(TARGET), load_model(DRAFT)
 
 
-def enumerate_sequences(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(first TOKENS tokens) under target-only sampling, by scoring every prefix without any cache."""
+def enumerate_sequences(
+    model, params: SamplingParams, tokens: int = TOKENS, prompt: list[int] = PROMPT
+) -> dict[tuple[int, ...], float]:
+    """P(first `tokens` tokens) under target-only sampling, by scoring every prefix without any cache."""
+    vocab = model.vocab_size
     probs = {(): 1.0}
-    for _ in range(TOKENS):
+    for _ in range(tokens):
         prefixes = list(probs)
         with torch.no_grad():
-            logits = model.model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
+            logits = model.model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
         step = logits_to_probs(logits, params)
-        probs = {prefix + (t,): probs[prefix] * float(step[i, t]) for i, prefix in enumerate(prefixes) for t in range(VOCAB)}
+        probs = {prefix + (t,): probs[prefix] * float(step[i, t]) for i, prefix in enumerate(prefixes) for t in range(vocab)}
     return probs
 
 
-def sample_sequences(target, draft, params: SamplingParams, gamma: int) -> list[tuple[int, ...]]:
-    async def run():
-        engine = await build_engine(
-            InProcessWorkers(TargetEngine(target), DraftEngine(draft, DRAFT)), CoordinatorConfig(), tokenizer=target.tokenizer
-        )
-        out = []
-        for seed in range(SAMPLES):
-            sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
-            result = await engine.generate_all(GenerationParams(PROMPT, sampling, TOKENS, gamma, ignore_eos=True))
-            out.append(tuple(result.token_ids))
-        return out, engine
+def sample_sequences(
+    target,
+    draft,
+    params: SamplingParams,
+    gamma: int,
+    tokens: int = TOKENS,
+    samples: int = SAMPLES,
+    overlap: bool = False,
+    prompt: list[int] = PROMPT,
+) -> tuple[list[tuple[int, ...]], int]:
+    """The first `tokens` tokens of `samples` seeded requests, and how many rounds used an overlapped proposal."""
 
-    return asyncio.run(run())[0]
+    async def run():
+        workers = InProcessWorkers(TargetEngine(target, calibrate=False), DraftEngine(draft, "draft", calibrate=False))
+        engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target.tokenizer)
+        out, overlapped = [], 0
+        for seed in range(samples):
+            sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
+            request = GenerationParams(prompt, sampling, tokens, gamma, ignore_eos=True, overlap=overlap)
+            result = await engine.generate_all(request)
+            out.append(tuple(result.token_ids))
+            overlapped += result.overlapped_rounds
+        return out, overlapped
+
+    return asyncio.run(run())
 
 
 def chi_square_p_value(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
@@ -89,7 +104,7 @@ def test_speculative_samples_follow_the_exact_target_distribution(models, params
     target, draft = models
     exact = enumerate_sequences(target, params)
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-5)
-    samples = sample_sequences(target, draft, params, gamma=2)
+    samples, _ = sample_sequences(target, draft, params, gamma=2)
     assert chi_square_p_value(samples, exact) > 1e-3
     # The test can fail: the draft's own distribution is clearly rejected by the same samples.
     assert chi_square_p_value(samples, enumerate_sequences(draft, params)) < 1e-6
@@ -101,3 +116,26 @@ def test_draft_disagrees_enough_to_exercise_rejections(models):
     exact, wrong = enumerate_sequences(target, params), enumerate_sequences(draft, params)
     total_variation = 0.5 * sum(abs(exact[s] - wrong[s]) for s in itertools.product(range(VOCAB), repeat=TOKENS))
     assert total_variation > 0.2
+
+
+OVERLAP_VOCAB = 4
+OVERLAP_TOKENS = 4  # overlap needs room for a round after the first: 4 tokens at gamma 1
+OVERLAP_PROMPT = [1, 2, 3, 0]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_models():
+    target = f"tiny-random:seed=5,vocab={OVERLAP_VOCAB},layers=1,hidden=16"
+    return load_model(target), load_model(f"{target},noise=1.5")
+
+
+def test_overlapped_speculation_follows_the_exact_target_distribution(small_vocab_models):
+    """Overlap drafts the next round before the verdict and keeps that work only when the verdict matches what it
+    assumed; the kept proposals must not bias the output."""
+    target, draft = small_vocab_models
+    params = SamplingParams(temperature=1.0)
+    exact = enumerate_sequences(target, params, OVERLAP_TOKENS, OVERLAP_PROMPT)
+    samples, overlapped = sample_sequences(target, draft, params, 1, OVERLAP_TOKENS, 4000, True, OVERLAP_PROMPT)
+    assert overlapped > 400, "too few overlapped proposals were kept to test them"
+    assert chi_square_p_value(samples, exact) > 1e-3
+    assert chi_square_p_value(samples, enumerate_sequences(draft, params, OVERLAP_TOKENS, OVERLAP_PROMPT)) < 1e-6

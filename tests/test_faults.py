@@ -28,7 +28,8 @@ def wait_serving(address: str, timeout: float = 60) -> None:
 
 @pytest.fixture
 def cluster(tmp_path):
-    with Cluster(TARGET, DRAFT, free_port(), ["--draft-timeout", "0.5"], log_dir=tmp_path) as running:
+    # A fixed gamma, so that every round uses the draft worker (auto may skip it: these tiny models cost the same).
+    with Cluster(TARGET, DRAFT, free_port(), ["--draft-timeout", "0.5", "--gamma", "4"], log_dir=tmp_path) as running:
         yield running
 
 

@@ -12,8 +12,10 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "def 
 DRAFTS = [0.0, 0.1, 0.5, 1.0, "ngram"]
 
 
-async def generate_ids(stub, prompt: str, gamma: int, max_new_tokens: int = 40) -> tuple[list[int], object]:
-    request = build_request(prompt, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, num_speculative_tokens=gamma)
+async def generate_ids(stub, prompt: str, gamma: int, max_new_tokens: int = 40, **options) -> tuple[list[int], object]:
+    request = build_request(
+        prompt, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, num_speculative_tokens=gamma, **options
+    )
     response = await stub.Generate(request)
     return list(response.token_ids), response.speculation
 
@@ -50,5 +52,34 @@ def test_streamed_deltas_add_up_to_the_final_response(target_model, draft_models
                     final = message.final
             assert final is not None and ids == list(final.token_ids) and text == final.text
             assert final.usage.completion_tokens == 30 and final.speculation.rounds < 30
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("draft_kind", DRAFTS, ids=lambda d: f"draft={d}")
+def test_greedy_output_matches_target_only_with_auto_gamma_heuristic_schedule_and_overlap(target_model, draft_models, draft_kind):
+    async def run():
+        async with running_services(TargetEngine(target_model), draft_engine_for(draft_models, draft_kind)) as services:
+            hits = 0
+            for prompt in PROMPTS:
+                reference, _ = await generate_ids(services.stub, prompt, gamma=0)
+                for gamma, options in [
+                    (-1, {}),
+                    (-1, {"gamma_schedule": "heuristic"}),
+                    (1, {"overlap": True}),
+                    (3, {"overlap": True}),
+                    (-1, {"overlap": True}),
+                    (-1, {"overlap": True, "gamma_schedule": "heuristic"}),
+                ]:
+                    ids, stats = await generate_ids(services.stub, prompt, gamma, **options)
+                    assert ids == reference, f"gamma={gamma} {options} diverged from target-only"
+                    assert stats.num_speculative_tokens == gamma and stats.overlap == bool(options.get("overlap"))
+                    hits += stats.overlapped_rounds
+                    if draft_kind == 0.0 and options.get("overlap"):
+                        # An identical draft guesses every bonus token: its state after overlapped steps must be
+                        # exactly the target's, or acceptance would drop below 1.
+                        assert stats.acceptance_rate == 1.0 and stats.overlapped_rounds >= stats.rounds - 2
+            if draft_kind in (0.0, 0.1):
+                assert hits > 0, "an accurate draft must make some overlapped proposals valid"
 
     asyncio.run(run())

@@ -62,11 +62,11 @@ def test_client_deadline_frees_both_sessions(target_model, draft_models):
 class FailingTargetEngine(TargetEngine):
     """A target worker whose engine breaks on its third round: a fault injected to fail the request."""
 
-    def verify(self, session, draft_tokens, draft_dists):
-        session.steps = getattr(session, "steps", 0) + 1
-        if session.steps == 3:
+    def decide(self, call, logits, span):
+        call.session.steps = getattr(call.session, "steps", 0) + 1
+        if call.session.steps == 3:
             raise RuntimeError("injected target fault")
-        return super().verify(session, draft_tokens, draft_dists)
+        return super().decide(call, logits, span)
 
 
 def test_failed_request_frees_both_sessions(target_model, draft_models):

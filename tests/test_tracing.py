@@ -108,7 +108,13 @@ def traced_cluster(receiver, tmp_path_factory):
     }
     metrics_port = free_port()
     cluster = Cluster(
-        TARGET, DRAFT, free_port(), ["--metrics-port", str(metrics_port)], env=env, log_dir=tmp_path_factory.mktemp("logs")
+        # A fixed gamma: every round drafts, so every round has draft spans to check (auto may skip the draft).
+        TARGET,
+        DRAFT,
+        free_port(),
+        ["--metrics-port", str(metrics_port), "--gamma", "4"],
+        env=env,
+        log_dir=tmp_path_factory.mktemp("logs"),
     )
     with cluster:
         cluster.metrics_port = metrics_port

@@ -18,14 +18,16 @@ class DraftSessionStart(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., max_q_entries: _Optional[int] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("num_accepted", "committed_token_ids", "num_tokens")
+    __slots__ = ("num_accepted", "committed_token_ids", "num_tokens", "assume_accepted")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ASSUME_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    def __init__(self, num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    assume_accepted: bool
+    def __init__(self, num_accepted: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., assume_accepted: _Optional[bool] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("start", "step", "trace_context")
@@ -45,14 +47,16 @@ class DraftRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DraftSessionStart, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("token_ids", "distributions", "timing")
+    __slots__ = ("token_ids", "distributions", "timing", "assumed_token_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[_worker_pb2.SparseDistribution]
     timing: _worker_pb2.WorkerTiming
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_worker_pb2.SparseDistribution, _Mapping]]] = ..., timing: _Optional[_Union[_worker_pb2.WorkerTiming, _Mapping]] = ...) -> None: ...
+    assumed_token_id: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_worker_pb2.SparseDistribution, _Mapping]]] = ..., timing: _Optional[_Union[_worker_pb2.WorkerTiming, _Mapping]] = ..., assumed_token_id: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("started", "proposal")

@@ -7,12 +7,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GammaSchedule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GAMMA_SCHEDULE_UNSPECIFIED: _ClassVar[GammaSchedule]
+    GAMMA_SCHEDULE_COST_MODEL: _ClassVar[GammaSchedule]
+    GAMMA_SCHEDULE_HEURISTIC: _ClassVar[GammaSchedule]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
+GAMMA_SCHEDULE_UNSPECIFIED: GammaSchedule
+GAMMA_SCHEDULE_COST_MODEL: GammaSchedule
+GAMMA_SCHEDULE_HEURISTIC: GammaSchedule
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
@@ -39,7 +48,7 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "prompt_token_ids", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop", "ignore_eos", "num_speculative_tokens", "include_rounds")
+    __slots__ = ("prompt", "messages", "prompt_token_ids", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop", "ignore_eos", "num_speculative_tokens", "include_rounds", "gamma_schedule", "overlap")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +61,8 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
     prompt_token_ids: TokenIds
@@ -64,7 +75,9 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     num_speculative_tokens: int
     include_rounds: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., include_rounds: _Optional[bool] = ...) -> None: ...
+    gamma_schedule: GammaSchedule
+    overlap: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., include_rounds: _Optional[bool] = ..., gamma_schedule: _Optional[_Union[GammaSchedule, str]] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -75,7 +88,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_tokens_per_round", "num_speculative_tokens", "fallback_reason")
+    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_tokens_per_round", "num_speculative_tokens", "fallback_reason", "overlap", "overlapped_rounds")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +96,8 @@ class SpeculationStats(_message.Message):
     MEAN_TOKENS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    OVERLAPPED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted_tokens: int
     accepted_tokens: int
@@ -90,7 +105,9 @@ class SpeculationStats(_message.Message):
     mean_tokens_per_round: float
     num_speculative_tokens: int
     fallback_reason: str
-    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., fallback_reason: _Optional[str] = ...) -> None: ...
+    overlap: bool
+    overlapped_rounds: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., overlap: _Optional[bool] = ..., overlapped_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "speculation", "time_split", "rounds")
@@ -111,7 +128,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., rounds: _Optional[_Iterable[_Union[SpeculationRound, _Mapping]]] = ...) -> None: ...
 
 class TimeSplit(_message.Message):
-    __slots__ = ("prefill_us", "draft_us", "verify_us", "sync_us", "network_us", "coordinator_us", "total_us")
+    __slots__ = ("prefill_us", "draft_us", "verify_us", "sync_us", "network_us", "coordinator_us", "total_us", "draft_overlapped_us")
     PREFILL_US_FIELD_NUMBER: _ClassVar[int]
     DRAFT_US_FIELD_NUMBER: _ClassVar[int]
     VERIFY_US_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +136,7 @@ class TimeSplit(_message.Message):
     NETWORK_US_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_US_FIELD_NUMBER: _ClassVar[int]
     TOTAL_US_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_OVERLAPPED_US_FIELD_NUMBER: _ClassVar[int]
     prefill_us: int
     draft_us: int
     verify_us: int
@@ -126,10 +144,11 @@ class TimeSplit(_message.Message):
     network_us: int
     coordinator_us: int
     total_us: int
-    def __init__(self, prefill_us: _Optional[int] = ..., draft_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., network_us: _Optional[int] = ..., coordinator_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
+    draft_overlapped_us: int
+    def __init__(self, prefill_us: _Optional[int] = ..., draft_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., network_us: _Optional[int] = ..., coordinator_us: _Optional[int] = ..., total_us: _Optional[int] = ..., draft_overlapped_us: _Optional[int] = ...) -> None: ...
 
 class SpeculationRound(_message.Message):
-    __slots__ = ("gamma", "drafted", "accepted", "rollback", "committed", "time_split", "bytes_sent", "bytes_received")
+    __slots__ = ("gamma", "drafted", "accepted", "rollback", "committed", "time_split", "bytes_sent", "bytes_received", "overlapped", "target_batch_size")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +157,8 @@ class SpeculationRound(_message.Message):
     TIME_SPLIT_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    OVERLAPPED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     drafted: int
     accepted: int
@@ -146,7 +167,9 @@ class SpeculationRound(_message.Message):
     time_split: TimeSplit
     bytes_sent: int
     bytes_received: int
-    def __init__(self, gamma: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., rollback: _Optional[int] = ..., committed: _Optional[int] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    overlapped: bool
+    target_batch_size: int
+    def __init__(self, gamma: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., rollback: _Optional[int] = ..., committed: _Optional[int] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., overlapped: _Optional[bool] = ..., target_batch_size: _Optional[int] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -37,12 +37,24 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
-    __slots__ = ("compute_us", "sync_us")
+    __slots__ = ("compute_us", "sync_us", "batch_size", "batch_tokens")
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     SYNC_US_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     compute_us: int
     sync_us: int
-    def __init__(self, compute_us: _Optional[int] = ..., sync_us: _Optional[int] = ...) -> None: ...
+    batch_size: int
+    batch_tokens: int
+    def __init__(self, compute_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+
+class ForwardCost(_message.Message):
+    __slots__ = ("tokens", "milliseconds")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MILLISECONDS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    milliseconds: float
+    def __init__(self, tokens: _Optional[int] = ..., milliseconds: _Optional[float] = ...) -> None: ...
 
 class SessionStarted(_message.Message):
     __slots__ = ("session_id", "cached_tokens", "timing")
@@ -59,7 +71,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("role", "model_name", "vocab_size", "tokenizer_fingerprint", "device", "dtype", "max_context_length", "active_sessions", "max_sessions", "eos_token_ids")
+    __slots__ = ("role", "model_name", "vocab_size", "tokenizer_fingerprint", "device", "dtype", "max_context_length", "active_sessions", "max_sessions", "eos_token_ids", "forward_costs")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +82,7 @@ class GetInfoResponse(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_COSTS_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     model_name: str
     vocab_size: int
@@ -80,4 +93,5 @@ class GetInfoResponse(_message.Message):
     active_sessions: int
     max_sessions: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    forward_costs: _containers.RepeatedCompositeFieldContainer[ForwardCost]
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,170 @@
+"""One forward pass over several sessions' new tokens, each session on its own KV cache.
+
+The sessions' tokens are packed into one row ([1, sum of n_i]), so every linear layer (where the weights are
+streamed, the cost that batching amortises) runs once for all of them; attention runs per session against that
+session's own cache, at its own positions. No cache is padded, stacked or copied to form the batch: each session's
+keys and values live in a buffer that grows by doubling, so appending a round's tokens writes only those tokens
+and a rollback only moves a length (round.md's crop, O(1)).
+
+A session's attention is computed with the same shapes whether it runs alone or in a batch; only the row count of
+the matrix products changes with the batch.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+
+ATTENTION = "specdec_ragged"
+INITIAL_CAPACITY = 64
+
+
+class GrowableLayer(DynamicLayer):
+    """A DynamicLayer with spare capacity: an update writes the new tokens only (transformers' DynamicLayer
+    concatenates, copying the whole layer every forward pass). keys and values are views of the filled part."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.length = 0
+        self.key_buffer = self.value_buffer = None
+        self.is_initialized = True
+
+    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+        capacity = self.key_buffer.shape[-2] if self.key_buffer is not None else 0
+        if needed <= capacity:
+            return
+        capacity = max(INITIAL_CAPACITY, 2 * capacity, needed)
+        batch, heads = key_states.shape[:2]
+        keys = key_states.new_empty(batch, heads, capacity, key_states.shape[-1])
+        values = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])
+        if self.length:
+            keys[:, :, : self.length] = self.keys
+            values[:, :, : self.length] = self.values
+        self.key_buffer, self.value_buffer = keys, values
+
+    def set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self.key_buffer[:, :, :length]
+        self.values = self.value_buffer[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        self.reserve(key_states, value_states, end)
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.set_length(end)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes the negative number of tokens to remove")
+        if self.is_initialized and tokens_to_remove:
+            self.set_length(max(0, self.length + tokens_to_remove))
+
+
+def session_cache(num_layers: int) -> Cache:
+    return Cache(layers=[GrowableLayer() for _ in range(num_layers)])
+
+
+class RaggedCache:
+    """What the model sees as its cache during a batched pass: update() splits the packed keys and values by
+    session, appends each part to its session's cache, and hands every session's full keys and values on to
+    ragged_attention."""
+
+    def __init__(self, caches: list[Cache], lengths: list[int]):
+        self.caches, self.lengths = caches, lengths
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = [], []
+        for cache, k, v in zip(
+            self.caches, key_states.split(self.lengths, dim=-2), value_states.split(self.lengths, dim=-2), strict=True
+        ):
+            full_k, full_v = cache.layers[layer_idx].update(k, v)
+            keys.append(full_k)
+            values.append(full_v)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def causal_mask(query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
+    """The query block is the last query_length positions of key_length: row i sees keys up to its own position."""
+    rows = torch.arange(key_length - query_length, key_length, device=device)[:, None]
+    return torch.arange(key_length, device=device)[None, :] <= rows
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One session's attention, [1, heads, n, d] queries against its [1, kv_heads, L, d] cache."""
+    n, length = query.shape[-2], keys.shape[-2]
+    mask = causal_mask(n, length, query.device) if n > 1 else None
+    return F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != query.shape[1]
+    )
+
+
+def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention for a packed batch: key and value are lists, one session's full cache each (see RaggedCache).
+
+    Called with plain tensors (a forward pass that did not come through forward_sessions, e.g. Hugging Face's
+    generate on this model), it treats them as one unpadded sequence.
+    """
+    if isinstance(key, torch.Tensor):
+        output = attend(query, key, value, scaling)
+    else:
+        queries = query.split(kwargs["ragged_lengths"], dim=-2)
+        output = torch.cat([attend(q, k, v, scaling) for q, k, v in zip(queries, key, value, strict=True)], dim=-2)
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, ragged_attention)
+
+
+def check_supported(config) -> str | None:
+    """Why the ragged attention cannot serve this model, or None when it can."""
+    config = config.get_text_config()
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping"
+    return None
+
+
+def use_ragged_attention(model: torch.nn.Module) -> None:
+    """Switches the model to the ragged attention; every forward pass of a worker goes through it."""
+    reason = check_supported(model.config)
+    if reason:
+        raise ValueError(f"{model.config.model_type} uses {reason}, which specdec's batched attention does not implement")
+    model.config._attn_implementation = ATTENTION
+
+
+@torch.inference_mode()
+def forward_sessions(
+    model: torch.nn.Module, caches: list[Cache], token_ids: list[list[int]], logits_to_keep: list[int]
+) -> list[torch.Tensor]:
+    """Feeds token_ids[i] on top of caches[i], all in one pass; returns for each session its last
+    logits_to_keep[i] rows of logits as CPU float32 [k_i, V]."""
+    if model.config._attn_implementation != ATTENTION:
+        use_ragged_attention(model)
+    device = next(model.parameters()).device
+    lengths = [len(ids) for ids in token_ids]
+    input_ids = torch.tensor([[t for ids in token_ids for t in ids]], dtype=torch.long, device=device)
+    positions = torch.cat(
+        [torch.arange(c.get_seq_length(), c.get_seq_length() + n) for c, n in zip(caches, lengths, strict=True)]
+    )
+    ends = torch.tensor(lengths).cumsum(0)
+    keep = torch.cat([torch.arange(int(end) - k, int(end)) for end, k in zip(ends, logits_to_keep, strict=True)])
+    out = model(
+        input_ids=input_ids,
+        position_ids=positions[None].to(device),
+        cache=RaggedCache(caches, lengths),
+        use_cache=True,
+        logits_to_keep=keep.to(device),
+        ragged_lengths=lengths,
+    )
+    return list(out.logits[0].float().cpu().split(logits_to_keep))

@@ -1,0 +1,62 @@
+"""A worker's cost curve: how long one forward pass takes for a given number of tokens, batch included.
+
+Measured once when a worker loads its model and reported by GetInfo; the coordinator's choice of gamma starts
+from it and rescales it by what the rounds actually take. On CPUs the curve is not monotonic (matrix kernels
+change with the row count), so it is measured rather than modelled.
+"""
+
+import statistics
+import time
+
+import torch
+
+from common.batched_forward import forward_sessions, session_cache
+
+# Token counts measured: every count a single session's round can feed, then batches of several sessions.
+CALIBRATION_TOKENS = [*range(1, 11), 12, 16, 24, 32, 48, 64]
+CALIBRATION_CONTEXT = 64  # tokens already in each session's cache
+MAX_TOKENS_PER_SESSION = 8
+
+
+def measure_forward_costs(model: torch.nn.Module, vocab_size: int, repeats: int = 2) -> list[tuple[int, float]]:
+    """(tokens, median ms) for each count in CALIBRATION_TOKENS; batches of more than 8 tokens are split over
+    sessions of at most 8, the way rounds of several sessions are batched."""
+    layers = model.config.get_text_config().num_hidden_layers
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab_size, (CALIBRATION_CONTEXT,), generator=generator).tolist()
+    caches = []
+    costs = []
+    for tokens in CALIBRATION_TOKENS:
+        sizes = [MAX_TOKENS_PER_SESSION] * (tokens // MAX_TOKENS_PER_SESSION)
+        if tokens % MAX_TOKENS_PER_SESSION:
+            sizes.append(tokens % MAX_TOKENS_PER_SESSION)
+        while len(caches) < len(sizes):
+            caches.append(session_cache(layers))
+            forward_sessions(model, [caches[-1]], [context], [1])
+        batch = caches[: len(sizes)]
+        feeds = [context[:n] for n in sizes]
+        samples = []
+        for _ in range(repeats + 1):  # the first run of each shape warms up the kernels
+            start = time.perf_counter()
+            forward_sessions(model, batch, feeds, [1] * len(batch))
+            samples.append((time.perf_counter() - start) * 1e3)
+            for cache, n in zip(batch, sizes, strict=True):
+                cache.crop(-n)
+        costs.append((tokens, statistics.median(samples[1:])))
+    return costs
+
+
+def cost_at(curve: list[tuple[int, float]], tokens: int) -> float:
+    """The curve's time for `tokens`: measured points exactly, linear between them, extrapolated past the last
+    two (a batch that large is compute-bound: its time grows in proportion)."""
+    if not curve:
+        return 0.0
+    for (t0, c0), (t1, c1) in zip(curve, curve[1:], strict=False):
+        if tokens <= t1:
+            if tokens <= t0:
+                return c0
+            return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
+    if len(curve) == 1:
+        return curve[0][1] * tokens / curve[0][0]
+    (t0, c0), (t1, c1) = curve[-2], curve[-1]
+    return c1 + max(0.0, (c1 - c0) / (t1 - t0)) * (tokens - t1)

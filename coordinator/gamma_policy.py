@@ -1,0 +1,175 @@
+"""How many tokens to draft each round (gamma), per session.
+
+The cost model picks the gamma that maximises expected tokens per second of the session:
+
+    rate(g) = E[tokens | g] / (draft(g) + verify(others + g + 1) + overhead)
+    E[tokens | g] = (1 - a^(g+1)) / (1 - a)             (Leviathan et al. 2023, eq. 1)
+
+with a the running acceptance estimate, draft(g) and verify(n) the workers' measured cost curves rescaled by what
+this session's rounds actually took, and overhead the round's network and coordinator time. When the target
+batches other sessions with this one, verify is the cost of the whole batch, assuming the others choose as this
+session does: that is the gamma that maximises the batch's throughput, which each session would otherwise
+overspend (an extra token is nearly free to the session that drafts it, and slows every session of the batch). g = 0 (no speculation) is one of the choices, so a draft that keeps missing is not asked; its estimate
+drifts back to the prior while unused, which makes the session try again now and then.
+"""
+
+from dataclasses import dataclass, field
+
+from common.cost_curve import cost_at
+
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
+EVIDENCE_DECAY = 0.9  # per round: older rounds weigh less, so the estimate follows the text
+SCALE_DECAY = 0.8
+
+
+def expected_tokens(acceptance: float, gamma: int) -> float:
+    """Tokens a round commits in expectation: accepted drafts plus the target's own token."""
+    if acceptance >= 1.0:
+        return gamma + 1.0
+    return (1.0 - acceptance ** (gamma + 1)) / (1.0 - acceptance)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """The probability that the target accepts a drafted token, from this session's recent rounds."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """A round that drafted `drafted` tokens and had `accepted` accepted: each accepted token is a success, the
+        first rejection (if any) a failure; the tokens after it were never tested."""
+        self.accepted *= EVIDENCE_DECAY
+        self.trials *= EVIDENCE_DECAY
+        if drafted:
+            self.accepted += accepted
+            self.trials += accepted + (accepted < drafted)
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+
+
+@dataclass
+class Scale:
+    """Measured over predicted time: follows a worker that is slower (or faster) than when it was calibrated."""
+
+    value: float = 1.0
+
+    def update(self, measured_ms: float, predicted_ms: float) -> None:
+        if predicted_ms > 0 and measured_ms > 0:
+            self.value = SCALE_DECAY * self.value + (1 - SCALE_DECAY) * measured_ms / predicted_ms
+
+
+@dataclass
+class CostModelPolicy:
+    """Chooses gamma from the acceptance estimate and both workers' cost curves (see the module's docstring)."""
+
+    target_costs: list[tuple[int, float]]
+    draft_costs: list[tuple[int, float]]  # empty: a model-free draft (prompt lookup), free to ask
+    max_gamma: int
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    target_scale: Scale = field(default_factory=Scale)
+    draft_scale: Scale = field(default_factory=Scale)
+    overhead_ms: float | None = None  # per round, network and coordinator; None until first seen
+    other_sessions: int = 0  # sessions batched with this one in the target's last forward pass
+    # False for seeded sampling: gamma then depends only on the request's own history and the deployment's fixed
+    # curves, never on timing or other requests, so that the same seed gives the same output (gamma decides how
+    # the random streams are consumed).
+    live: bool = True
+
+    def verify_ms(self, tokens: int) -> float:
+        return self.target_scale.value * cost_at(self.target_costs, tokens * (1 + self.other_sessions))
+
+    def draft_ms(self, gamma: int) -> float:
+        """Drafting gamma tokens: gamma sequential passes of one token each."""
+        return self.draft_scale.value * gamma * cost_at(self.draft_costs, 1) if gamma else 0.0
+
+    def rate(self, gamma: int, draft_hidden: bool = False) -> float:
+        draft = 0.0 if draft_hidden else self.draft_ms(gamma)
+        seconds = (draft + self.verify_ms(gamma + 1) + (self.overhead_ms or 0.0)) / 1e3
+        return expected_tokens(self.acceptance.rate, gamma) / seconds if seconds > 0 else float(gamma + 1)
+
+    def choose(self, limit: int, hidden_behind: int = 0) -> int:
+        """The best gamma in [0, min(limit, max_gamma)]; ties go to the smaller one.
+
+        hidden_behind: the drafting runs while the target verifies a round of this many tokens (overlap), so only
+        gammas whose drafting fits inside that verification are considered, at no drafting cost.
+        """
+        limit = min(limit, self.max_gamma)
+        draft_hidden = hidden_behind > 0
+        if draft_hidden and self.draft_costs:
+            # One extra pass drafts the assumed bonus token.
+            fits = int(self.verify_ms(hidden_behind) / max(self.draft_ms(1), 1e-6)) - 1
+            limit = min(limit, max(1, fits))
+        best, best_rate = 0, self.rate(0)
+        for gamma in range(1, limit + 1):
+            rate = self.rate(gamma, draft_hidden)
+            if rate > best_rate * 1.000001:
+                best, best_rate = gamma, rate
+        return best
+
+    def observe(
+        self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int
+    ) -> None:
+        """Learns from a finished round: acceptance, the target's speed, and the load of its batch."""
+        self.acceptance.update(drafted, accepted)
+        if not self.live:
+            return
+        self.other_sessions = max(0, batch_size - 1)
+        self.target_scale.update(verify_us / 1e3, cost_at(self.target_costs, max(batch_tokens, verified_tokens)))
+
+    def observe_draft(self, drafted: int, compute_us: int) -> None:
+        if drafted and self.draft_costs and self.live:
+            self.draft_scale.update(compute_us / 1e3, drafted * cost_at(self.draft_costs, 1))
+
+    def observe_overhead(self, overhead_us: int) -> None:
+        if not self.live and self.overhead_ms is not None:
+            return
+        ms = overhead_us / 1e3
+        self.overhead_ms = ms if self.overhead_ms is None else SCALE_DECAY * self.overhead_ms + (1 - SCALE_DECAY) * ms
+
+
+@dataclass
+class HeuristicPolicy:
+    """Hugging Face's `num_assistant_tokens_schedule="heuristic"`: +2 after a round where every drafted token was
+    accepted, -1 (to at least 1) otherwise."""
+
+    gamma: int
+    max_gamma: int
+
+    def choose(self, limit: int, hidden_behind: int = 0) -> int:
+        return min(self.gamma, limit)
+
+    def observe(
+        self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int
+    ) -> None:
+        if not drafted:
+            return
+        self.gamma = min(self.gamma + 2, self.max_gamma) if accepted == drafted else max(1, self.gamma - 1)
+
+    def observe_draft(self, drafted: int, compute_us: int) -> None:
+        pass
+
+    def observe_overhead(self, overhead_us: int) -> None:
+        pass
+
+
+@dataclass
+class FixedPolicy:
+    gamma: int
+
+    def choose(self, limit: int, hidden_behind: int = 0) -> int:
+        return min(self.gamma, limit)
+
+    def observe(
+        self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int
+    ) -> None:
+        pass
+
+    def observe_draft(self, drafted: int, compute_us: int) -> None:
+        pass
+
+    def observe_overhead(self, overhead_us: int) -> None:
+        pass

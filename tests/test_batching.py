@@ -1,0 +1,106 @@
+"""Batching across sessions: one forward pass serves every ready session, each at its own length and position, and
+no session's output depends on what it was batched with."""
+
+import asyncio
+
+import pytest
+import torch
+
+from common.batched_forward import GrowableLayer, forward_sessions, session_cache
+from common.errors import InvalidArgument
+from common.sampling import SamplingParams, truncate_probs
+from coordinator.client import build_request
+from coordinator.engine import CoordinatorConfig
+from draft_worker.engine import DraftCall, DraftEngine
+from target_worker.engine import TargetEngine, VerifyCall
+from tests.conftest import draft_engine_for, running_services
+
+PROMPTS = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate([3, 11, 6, 25, 1, 9, 14, 4])]
+
+
+def test_batched_forward_matches_each_session_alone(target_model):
+    model = target_model.model
+    layers = model.config.num_hidden_layers
+    alone, batched = [session_cache(layers) for _ in PROMPTS], [session_cache(layers) for _ in PROMPTS]
+    for a, b, prompt in zip(alone, batched, PROMPTS, strict=True):
+        forward_sessions(model, [a], [prompt], [1])
+        forward_sessions(model, [b], [prompt], [1])
+    feeds = [[(i + k) % 256 for k in range(1 + i % 5)] for i in range(len(PROMPTS))]
+    expected = [forward_sessions(model, [a], [f], [len(f)])[0] for a, f in zip(alone, feeds, strict=True)]
+    got = forward_sessions(model, batched, feeds, [len(f) for f in feeds])
+    for e, g in zip(expected, got, strict=True):
+        assert g.shape == e.shape
+        assert torch.allclose(g, e, atol=1e-5)
+        assert torch.equal(g.argmax(-1), e.argmax(-1))
+    for a, b in zip(alone, batched, strict=True):
+        assert a.get_seq_length() == b.get_seq_length()
+        assert torch.allclose(a.layers[0].keys, b.layers[0].keys, atol=1e-5)
+
+
+def test_appending_to_a_session_cache_writes_only_the_new_tokens(target_model):
+    """Appends go into spare capacity (no copy of the cache per round) and a rollback only moves the length."""
+    model = target_model.model
+    cache = session_cache(model.config.num_hidden_layers)
+    forward_sessions(model, [cache], [list(range(10))], [1])
+    layer: GrowableLayer = cache.layers[0]
+    buffer = layer.key_buffer.data_ptr()
+    for step in range(20):
+        forward_sessions(model, [cache], [[step, step + 1]], [1])
+        assert layer.key_buffer.data_ptr() == buffer
+    assert cache.get_seq_length() == 50
+    cache.crop(-7)
+    assert cache.get_seq_length() == 43 and layer.keys.shape[-2] == 43 and layer.key_buffer.data_ptr() == buffer
+    forward_sessions(model, [cache], [list(range(30))], [1])  # past the capacity of 64: it doubles, once
+    assert cache.get_seq_length() == 73 and layer.key_buffer.shape[-2] == 128
+
+
+def test_one_bad_call_in_a_batch_fails_alone(target_model):
+    engine = TargetEngine(target_model, calibrate=False)
+    greedy = SamplingParams(temperature=0)
+    solo = [engine.open_session(p, greedy)[0] for p in PROMPTS[:3]]
+    batch = [engine.open_session(p, greedy)[0] for p in PROMPTS[:3]]
+    drafts = [[5, 6], [300, 1], [9]]  # 300 is outside the vocabulary
+    dists = [[truncate_probs(torch.eye(256)[t % 256], 1) for t in d] for d in drafts]
+    results = engine.verify_batch([VerifyCall(s, d, q) for s, d, q in zip(batch, drafts, dists, strict=True)])
+    assert isinstance(results[1], InvalidArgument) and "step.draft_token_ids" in str(results[1])
+    for i in (0, 2):
+        expected = engine.verify(solo[i], drafts[i], dists[i])
+        assert (results[i].num_accepted, results[i].next_token) == (expected.num_accepted, expected.next_token)
+        assert results[i].batch_size == 2 and results[i].batch_tokens == 2 + 1 + 1 + 1
+        assert batch[i].sequence.tokens == solo[i].sequence.tokens
+
+
+def test_batched_draft_steps_propose_what_each_session_proposes_alone(draft_models):
+    engine = DraftEngine(draft_models[0.5], "draft", calibrate=False)
+    params = SamplingParams(temperature=0.8, seed=3)
+    solo = [engine.open_session(p, params)[0] for p in PROMPTS]
+    batch = [engine.open_session(p, params)[0] for p in PROMPTS]
+    sizes = [1 + i % 4 for i in range(len(PROMPTS))]  # sessions finish after different numbers of passes
+    proposals = engine.step_batch([DraftCall(h, 0, [], n) for h, n in zip(batch, sizes, strict=True)])
+    for handle, n, proposal in zip(solo, sizes, proposals, strict=True):
+        expected = engine.step(handle, 0, [], n)
+        assert proposal.token_ids == expected.token_ids and proposal.batch_size == len(PROMPTS)
+        for q, e in zip(proposal.distributions, expected.distributions, strict=True):
+            assert torch.equal(q.token_ids, e.token_ids) and torch.allclose(q.probs, e.probs, atol=1e-6)
+
+
+@pytest.mark.parametrize("gamma", [3, -1], ids=["gamma=3", "auto"])
+def test_concurrent_requests_share_forward_passes_and_match_their_solo_output(target_model, draft_models, gamma):
+    async def run():
+        config = CoordinatorConfig()
+        async with running_services(TargetEngine(target_model), draft_engine_for(draft_models, 0.1), config) as services:
+
+            def request(i: int, prompt: list[int]):
+                sampled = {"temperature": 0.9, "seed": i} if i % 2 else {"temperature": 0}
+                return build_request(
+                    prompt, max_new_tokens=48, ignore_eos=True, num_speculative_tokens=gamma, include_rounds=True, **sampled
+                )
+
+            solo = [await services.stub.Generate(request(i, p)) for i, p in enumerate(PROMPTS)]
+            together = await asyncio.gather(*(services.stub.Generate(request(i, p)) for i, p in enumerate(PROMPTS)))
+            for alone, batched in zip(solo, together, strict=True):
+                assert list(batched.token_ids) == list(alone.token_ids)
+            assert max(r.target_batch_size for response in together for r in response.rounds) > 1
+            assert all(r.target_batch_size == 1 for r in solo[0].rounds)
+
+    asyncio.run(run())

@@ -1,0 +1,112 @@
+"""Choosing gamma: the cost model against hand-computed cases, Hugging Face's heuristic, and the draft sync."""
+
+import pytest
+
+from common.cost_curve import cost_at
+from coordinator.engine import DraftSync
+from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, expected_tokens
+
+# Measured on this machine: SmolLM2-135M on 2 CPU cores, ms per forward pass of 1..9 tokens and larger batches.
+SMOLLM2_CPU = [(1, 39), (2, 59), (3, 73), (4, 55), (5, 50), (6, 53), (7, 64), (8, 53), (9, 60), (16, 72), (40, 102)]
+
+
+def policy_with(acceptance: float, draft_costs=(), overhead_ms: float = 3.5, **kwargs) -> CostModelPolicy:
+    policy = CostModelPolicy(SMOLLM2_CPU, list(draft_costs), max_gamma=8, overhead_ms=overhead_ms, **kwargs)
+    policy.acceptance = AcceptanceEstimate(accepted=1000 * acceptance, trials=1000)
+    return policy
+
+
+def test_expected_tokens_per_round():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    assert cost_at(SMOLLM2_CPU, 4) == 55
+    assert cost_at(SMOLLM2_CPU, 12) == pytest.approx(60 + (72 - 60) * 3 / 7)
+    assert cost_at(SMOLLM2_CPU, 64) == pytest.approx(102 + (102 - 72) / 24 * 24)
+    assert cost_at([], 5) == 0.0
+
+
+def test_a_draft_that_keeps_missing_is_not_asked():
+    assert policy_with(0.05).choose(100) == 0
+
+
+def test_an_accurate_free_draft_gets_long_rounds_at_a_cheap_row_count():
+    # Verifying 8 tokens costs less than verifying 3 on this CPU: the model takes the measured curve, not a line.
+    assert policy_with(0.9).choose(100) == 7
+
+
+def test_the_measured_curve_skips_the_expensive_two_and_three_token_verifies():
+    policy = policy_with(0.45)
+    assert policy.choose(100) == 4
+    assert policy.rate(4) > policy.rate(2) and policy.rate(4) > policy.rate(3)
+
+
+def test_a_costly_model_draft_pays_only_when_hidden_behind_verification():
+    policy = policy_with(0.4, draft_costs=[(1, 11.0)])
+    assert policy.choose(100) == 0
+    # Behind a 5-token verification (50 ms) the draft has time for 4 passes: the bonus guess and 3 tokens.
+    assert policy.choose(100, hidden_behind=5) == 3
+
+
+def test_a_saturated_target_makes_speculation_shorter():
+    """Alone, 4 drafts at acceptance 0.45 are best; in a batch of 8 sessions they would make the batch cost 102 ms
+    instead of 53: the batch's throughput is highest with 2."""
+    alone, loaded = policy_with(0.45), policy_with(0.45)
+    loaded.observe(drafted=0, accepted=0, verified_tokens=1, verify_us=53_000, batch_size=8, batch_tokens=8)
+    assert loaded.other_sessions == 7
+    assert alone.choose(100) == 4 and loaded.choose(100) == 2
+    assert policy_with(0.1, other_sessions=7).choose(100) == 0
+
+
+def test_a_slower_target_than_calibrated_rescales_the_curve():
+    policy = policy_with(0.5)
+    for _ in range(30):
+        policy.observe(drafted=4, accepted=2, verified_tokens=5, verify_us=100_000, batch_size=1, batch_tokens=5)
+    assert policy.target_scale.value == pytest.approx(2.0, rel=0.01)
+
+
+def test_seeded_requests_plan_only_from_their_own_history():
+    policy = policy_with(0.5, live=False)
+    before = policy.choose(100)
+    policy.observe(drafted=0, accepted=0, verified_tokens=1, verify_us=500_000, batch_size=80, batch_tokens=400)
+    policy.observe_overhead(90_000)
+    assert policy.other_sessions == 0 and policy.overhead_ms == 3.5 and policy.target_scale.value == 1.0
+    assert policy.choose(100) == before
+
+
+def test_acceptance_estimate_follows_recent_rounds_and_returns_to_the_prior_when_unused():
+    estimate = AcceptanceEstimate()
+    for _ in range(20):
+        estimate.update(drafted=4, accepted=0)
+    assert estimate.rate < 0.1
+    for _ in range(60):
+        estimate.update(drafted=0, accepted=0)
+    assert estimate.rate > 0.45
+
+
+def test_heuristic_schedule_adds_two_after_a_full_acceptance_and_drops_one_otherwise():
+    policy = HeuristicPolicy(gamma=4, max_gamma=16)
+    policy.observe(drafted=4, accepted=4, verified_tokens=5, verify_us=0, batch_size=1, batch_tokens=5)
+    assert policy.choose(100) == 6
+    policy.observe(drafted=6, accepted=2, verified_tokens=7, verify_us=0, batch_size=1, batch_tokens=7)
+    assert policy.choose(100) == 5 and policy.choose(3) == 3
+    for _ in range(10):
+        policy.observe(drafted=1, accepted=0, verified_tokens=2, verify_us=0, batch_size=1, batch_tokens=2)
+    assert policy.choose(100) == 1
+
+
+def test_draft_sync_keeps_the_chain_across_overlap_hits_and_crops_after_a_miss():
+    sync = DraftSync()
+    assert sync.take() == (0, [])
+    sync.reject(accepted=2, next_token=7)  # round 1: 2 of 4 accepted, the target said 7
+    assert sync.take() == (2, [7])
+    sync.confirm(4)  # round 2: all 3 accepted and the assumed bonus was right: the chain is kept, no sync
+    assert sync.take() == (0, [])
+    sync.reject(accepted=1, next_token=9)  # round 3 (the overlapped proposal): 1 accepted
+    assert sync.take() == (5, [9])
+    sync.commit_unheard([3])  # a round without the draft
+    sync.commit_unheard([4])
+    assert sync.take() == (0, [3, 4])
