@@ -81,8 +81,16 @@ class Run:
 
 
 def grpc_run(
-    client: GenerationClient, system: str, prompt: dict, gamma: int, temperature: float, seed: int, max_new_tokens: int
+    client: GenerationClient,
+    system: str,
+    prompt: dict,
+    gamma: int,
+    temperature: float,
+    seed: int,
+    max_new_tokens: int,
+    **options,
 ) -> Run:
+    """One request through the coordinator; options go to the request (e.g. overlap, gamma_schedule)."""
     messages = [{"role": "user", "content": prompt["prompt"]}]
     start = time.perf_counter()
     response = client.generate(
@@ -92,6 +100,7 @@ def grpc_run(
         seed=seed,
         num_speculative_tokens=gamma,
         include_rounds=True,
+        **options,
     )
     seconds = time.perf_counter() - start
     split = response.time_split
@@ -109,7 +118,16 @@ def grpc_run(
         response.speculation.rounds,
         {
             name: getattr(split, name)
-            for name in ("prefill_us", "draft_us", "verify_us", "sync_us", "network_us", "coordinator_us", "total_us")
+            for name in (
+                "prefill_us",
+                "draft_us",
+                "verify_us",
+                "sync_us",
+                "network_us",
+                "coordinator_us",
+                "total_us",
+                "draft_overlapped_us",
+            )
         },
         [(r.drafted, r.accepted) for r in response.rounds],
     )

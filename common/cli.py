@@ -128,6 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=2, help="counted repeats after one warm-up")
     bench.add_argument("--output-root", default="bench/results")
+    bench.add_argument(
+        "--suite",
+        choices=["speedup", "performance"],
+        default="speedup",
+        help="speedup: baselines, gamma and temperature sweeps, the analytic model; performance: schedules (auto, "
+        "heuristic, fixed), concurrency sweep, overlap on separate cores",
+    )
+    bench.add_argument(
+        "--overlap-draft-model", default="smollm2-135m#layers=3", help="performance: the model draft of the overlap runs"
+    )
     health = commands.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
     health.add_argument("address", nargs="?", default="localhost:50051")
     return parser
@@ -261,20 +271,36 @@ def run_generate(args) -> int:
 def run_bench_command(args) -> int:
     import time
 
-    from bench.runner import BenchConfig, run_bench
+    name = args.name or f"{'quick' if args.quick else 'full'}-{args.suite}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.suite == "performance":
+        from bench.performance import PerformanceConfig, run_performance
 
-    name = args.name or f"{'quick' if args.quick else 'full'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    config = BenchConfig(
-        name,
-        args.target_model,
-        args.draft_model,
-        args.device,
-        args.quick,
-        args.max_new_tokens,
-        args.repeats,
-        output_root=args.output_root,
-    )
-    out = run_bench(config)
+        performance = PerformanceConfig(
+            name,
+            args.target_model,
+            args.draft_model,
+            args.overlap_draft_model,
+            args.device,
+            args.quick,
+            args.max_new_tokens,
+            args.repeats,
+            output_root=args.output_root,
+        )
+        out = run_performance(performance)
+    else:
+        from bench.runner import BenchConfig, run_bench
+
+        config = BenchConfig(
+            name,
+            args.target_model,
+            args.draft_model,
+            args.device,
+            args.quick,
+            args.max_new_tokens,
+            args.repeats,
+            output_root=args.output_root,
+        )
+        out = run_bench(config)
     print(f"report: {out / 'report.md'}")
     return 0
 

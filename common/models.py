@@ -6,6 +6,9 @@ Spellings:
   tiny-random:...,noise=0.5                       the same weights perturbed (a draft that agrees part of the time)
   random-shape:qwen2.5-0.5b[,seed=0]             random weights in a real model's shapes (for cost curves, e.g. on a GPU)
   anything else                                   passed to transformers' from_pretrained
+  any of these + "#layers=N"                      only the first N decoder layers (with the model's own embeddings,
+                                                  final norm and head): a draft that shares its target's weights,
+                                                  e.g. smollm2-135m#layers=3 (early exit, as in LayerSkip)
 """
 
 import importlib.util
@@ -199,6 +202,7 @@ def build_random_shape(spec: str, device: torch.device, dtype: torch.dtype) -> L
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer alone, for the coordinator (which holds no model)."""
+    spec = split_layers(spec)[0]
     if is_tiny_random(spec):
         return ByteTokenizer(int(parse_spec_params(spec, TINY_RANDOM_PREFIX, TINY_RANDOM_DEFAULTS)["vocab"]))
     if spec.startswith(RANDOM_SHAPE_PREFIX + ":"):
@@ -215,7 +219,36 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return HFTokenizer(hf_tokenizer, eos_ids_of(config, generation_config, hf_tokenizer))
 
 
+def split_layers(spec: str) -> tuple[str, int | None]:
+    """'model#layers=N' -> ('model', N); a spec without the suffix -> (spec, None)."""
+    base, sep, suffix = spec.rpartition("#")
+    if not sep:
+        return spec, None
+    key, _, value = suffix.partition("=")
+    if key != "layers" or not value.isdigit() or int(value) < 1:
+        raise InvalidArgument("model", f"{spec!r}: expected MODEL#layers=N with N >= 1")
+    return base, int(value)
+
+
+def keep_first_layers(loaded: LoadedModel, layers: int, spec: str) -> LoadedModel:
+    """Drops every decoder layer after the first `layers`: the rest of the model (embeddings, final norm, head) is
+    shared, so the truncated model is an early-exit draft of the full one."""
+    decoder = loaded.model.get_decoder()
+    config = loaded.model.config.get_text_config()
+    if layers > len(decoder.layers):
+        raise InvalidArgument("model", f"{spec!r}: the model has only {len(decoder.layers)} layers")
+    decoder.layers = decoder.layers[:layers]
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    loaded.name = spec
+    return loaded
+
+
 def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+    base, layers = split_layers(spec)
+    if layers is not None:
+        return keep_first_layers(load_model(base, device, dtype), layers, spec)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if is_tiny_random(spec):

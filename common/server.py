@@ -212,6 +212,20 @@ class SessionStreamServicer:
     def close(self, session) -> None:
         raise NotImplementedError
 
+    async def open_or_free(self, request):
+        """open(), except that a stream cancelled during the prefill still frees the session the engine then adds
+        (the prefill runs on the compute thread and cannot be interrupted)."""
+        opening = asyncio.ensure_future(self.open(request))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(self.free_opened)
+            raise
+
+    def free_opened(self, opening: asyncio.Future) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self.close(opening.result()[0])
+
     async def GetInfo(self, request, context):
         try:
             require_loaded(self.engine)
@@ -230,7 +244,7 @@ class SessionStreamServicer:
                     if kind != "start":
                         raise errors.InvalidArgument("start", "the first message of a stream must open the session")
                     self.lifecycle.admit()
-                    session, response = await self.open(request)
+                    session, response = await self.open_or_free(request)
                     yield response
                 elif kind != "step":
                     raise errors.InvalidArgument("step", "the session is already open; send steps")

@@ -43,6 +43,8 @@ class Cluster:
     port: int = 50051
     extra_coordinator_args: list[str] = field(default_factory=list)
     extra_worker_args: list[str] = field(default_factory=list)
+    target_args: list[str] = field(default_factory=list)  # for the target worker alone (e.g. --cpus 0 --threads 1)
+    draft_args: list[str] = field(default_factory=list)
     device: str = "cpu"
     env: dict[str, str] = field(default_factory=dict)  # added to each service's environment (e.g. OTEL_*)
     log_dir: pathlib.Path | None = None  # each service's output goes to <role>.log there instead of the terminal
@@ -81,9 +83,27 @@ class Cluster:
         target_port, draft_port = free_port(), free_port()
         self.target_address, self.draft_address = f"localhost:{target_port}", f"localhost:{draft_port}"
         self.spawn(
-            "target", "--model", self.target_model, "--port", str(target_port), "--device", self.device, *self.extra_worker_args
+            "target",
+            "--model",
+            self.target_model,
+            "--port",
+            str(target_port),
+            "--device",
+            self.device,
+            *self.extra_worker_args,
+            *self.target_args,
         )
-        self.spawn("draft", "--model", draft_model, "--port", str(draft_port), "--device", self.device, *self.extra_worker_args)
+        self.spawn(
+            "draft",
+            "--model",
+            draft_model,
+            "--port",
+            str(draft_port),
+            "--device",
+            self.device,
+            *self.extra_worker_args,
+            *self.draft_args,
+        )
         self.spawn(
             "coordinator",
             "--port",

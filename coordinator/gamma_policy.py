@@ -2,15 +2,17 @@
 
 The cost model picks the gamma that maximises expected tokens per second of the session:
 
-    rate(g) = E[tokens | g] / (draft(g) + verify(others + g + 1) + overhead)
+    rate(g) = E[tokens | g] / (draft(g) + verify((sessions in the batch) * (g + 1)) + overhead)
     E[tokens | g] = (1 - a^(g+1)) / (1 - a)             (Leviathan et al. 2023, eq. 1)
 
 with a the running acceptance estimate, draft(g) and verify(n) the workers' measured cost curves rescaled by what
 this session's rounds actually took, and overhead the round's network and coordinator time. When the target
 batches other sessions with this one, verify is the cost of the whole batch, assuming the others choose as this
 session does: that is the gamma that maximises the batch's throughput, which each session would otherwise
-overspend (an extra token is nearly free to the session that drafts it, and slows every session of the batch). g = 0 (no speculation) is one of the choices, so a draft that keeps missing is not asked; its estimate
-drifts back to the prior while unused, which makes the session try again now and then.
+overspend (an extra token is nearly free to the session that drafts it, and slows every session of the batch).
+
+g = 0 (no speculation) is one of the choices, so a draft that keeps missing is not asked; its estimate drifts back
+to the prior while unused, which makes the session try again now and then.
 """
 
 from dataclasses import dataclass, field

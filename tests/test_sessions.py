@@ -1,12 +1,14 @@
 """A finished, failed or cancelled request leaves no session behind on either worker."""
 
 import asyncio
+import time
 
 import grpc
 import pytest
 
 from coordinator.client import build_request
-from specdec.v1 import draft_pb2_grpc, target_pb2_grpc, worker_pb2
+from draft_worker.engine import DraftEngine
+from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2_grpc, worker_pb2
 from target_worker.engine import TargetEngine
 from tests.conftest import draft_engine_for, running_services, wait_for
 
@@ -100,5 +102,34 @@ def test_a_stream_the_worker_already_ended_reports_unavailable(target_model):
                 await session.verify([], [])
         finally:
             await workers.close()
+
+    asyncio.run(run())
+
+
+class SlowPrefillDraftEngine(DraftEngine):
+    opened = 0
+
+    def open_session(self, *args):
+        time.sleep(0.3)
+        opened = super().open_session(*args)
+        self.opened += 1
+        return opened
+
+
+def test_a_stream_cancelled_during_its_prefill_frees_the_session_opened_after_it(target_model, draft_models):
+    """The prefill runs on the compute thread and finishes after the cancellation; its session must not leak."""
+
+    async def run():
+        draft = SlowPrefillDraftEngine(draft_models[0.5], "draft", calibrate=False)
+        async with running_services(TargetEngine(target_model), draft) as services:
+            async with grpc.aio.insecure_channel(services.draft_address) as channel:
+                call = draft_pb2_grpc.DraftServiceStub(channel).Draft()
+                start = draft_pb2.DraftSessionStart(prompt_token_ids=[1, 2, 3], sampling=worker_pb2.SamplingParams(top_p=1.0))
+                await call.write(draft_pb2.DraftRequest(start=start))
+                await asyncio.sleep(0.1)
+                call.cancel()
+                await asyncio.sleep(0.5)
+            assert await wait_for(lambda: draft.opened == 1)
+            assert await wait_for(lambda: len(services.draft.sessions) == 0)
 
     asyncio.run(run())
