@@ -1,7 +1,7 @@
 """`specdec bench --suite performance`: what batching, adaptive gamma and overlap buy, side by side.
 
-Three experiments, each on its own cluster started here, systems interleaved per prompt and repeat (the first
-repeat warms up and is not counted), medians reported:
+Three experiments, on clusters started here, systems interleaved per prompt and repeat (one pass over the first
+prompt warms everything up first and is not counted), medians reported:
 
 1. schedules: the default pair (target + its default draft) at fixed gammas, auto (cost model), Hugging Face's
    heuristic schedule run by our coordinator, auto with overlap, and Hugging Face's own generate (plain and with
@@ -13,6 +13,7 @@ repeat warms up and is not counted), medians reported:
 """
 
 import json
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,7 @@ class PerformanceConfig:
     name: str
     target_model: str = "smollm2-135m"
     draft_model: str | None = None  # default: the target's default draft
-    overlap_draft_model: str = "smollm2-135m#layers=3"
+    overlap_draft_model: str = "smollm2-135m#int8"
     device: str = "cpu"
     quick: bool = False
     max_new_tokens: int = 48
@@ -64,22 +65,29 @@ def schedules(config: PerformanceConfig, client: GenerationClient, prompts: list
     draft = None if ngram else load_model(config.draft_model, config.device)
     eos = target.tokenizer.eos_token_ids
     runs = []
-    for repeat in range(config.repeats + 1):
-        for prompt in prompts:
-            ids = target.tokenizer.render_chat([{"role": "user", "content": prompt["prompt"]}])
-            n = config.max_new_tokens
-            done = [grpc_run(client, "target-only", prompt, 0, 0.0, repeat, n)]
-            done += [grpc_run(client, "fixed", prompt, g, 0.0, repeat, n) for g in config.fixed_gammas]
-            done.append(grpc_run(client, "auto", prompt, -1, 0.0, repeat, n))
-            done.append(grpc_run(client, "heuristic", prompt, -1, 0.0, repeat, n, gamma_schedule="heuristic"))
-            done.append(grpc_run(client, "auto + overlap", prompt, -1, 0.0, repeat, n, overlap=True))
-            done.append(hf_run(target.model, None, "HF generate", prompt, ids, 0, n, eos, True))
-            hf_label = "HF prompt lookup" if ngram else "HF assisted"
-            done.append(hf_run(target.model, draft.model if draft else None, hf_label, prompt, ids, 4, n, eos, ngram))
-            progress.update(len(done))
-            if repeat:
-                runs += [as_dict(r) for r in done]
+    for repeat, prompt in passes(config, prompts):
+        ids = target.tokenizer.render_chat([{"role": "user", "content": prompt["prompt"]}])
+        n = config.max_new_tokens
+        done = [grpc_run(client, "target-only", prompt, 0, 0.0, repeat, n)]
+        done += [grpc_run(client, "fixed", prompt, g, 0.0, repeat, n) for g in config.fixed_gammas]
+        done.append(grpc_run(client, "auto", prompt, -1, 0.0, repeat, n))
+        done.append(grpc_run(client, "heuristic", prompt, -1, 0.0, repeat, n, gamma_schedule="heuristic"))
+        done.append(grpc_run(client, "auto + overlap", prompt, -1, 0.0, repeat, n, overlap=True))
+        done.append(hf_run(target.model, None, "HF generate", prompt, ids, 0, n, eos, True))
+        hf_label = "HF prompt lookup" if ngram else "HF assisted"
+        done.append(hf_run(target.model, draft.model if draft else None, hf_label, prompt, ids, 4, n, eos, ngram))
+        progress.update(len(done))
+        if repeat:
+            runs += [as_dict(r) for r in done]
     return runs
+
+
+def passes(config: PerformanceConfig, prompts: list[dict]):
+    """(repeat, prompt) in order: repeat 0 is the warm-up on the first prompt, then every prompt per repeat."""
+    yield 0, prompts[0]
+    for repeat in range(1, config.repeats + 1):
+        for prompt in prompts:
+            yield repeat, prompt
 
 
 def one_client(address: str, prompts: list[dict], first: int, count: int, gamma: int, max_new_tokens: int) -> list[dict]:
@@ -144,18 +152,17 @@ def concurrency(config: PerformanceConfig, address: str, prompts: list[dict], pr
 
 def overlap_runs(config: PerformanceConfig, client: GenerationClient, prompts: list[dict], progress: tqdm) -> list[dict]:
     runs = []
-    for repeat in range(config.repeats + 1):
-        for prompt in prompts:
-            n = config.max_new_tokens
-            done = [grpc_run(client, "target-only", prompt, 0, 0.0, repeat, n)]
-            for g in config.overlap_gammas:
-                done.append(grpc_run(client, "fixed", prompt, g, 0.0, repeat, n))
-                done.append(grpc_run(client, "fixed + overlap", prompt, g, 0.0, repeat, n, overlap=True))
-            done.append(grpc_run(client, "auto", prompt, -1, 0.0, repeat, n))
-            done.append(grpc_run(client, "auto + overlap", prompt, -1, 0.0, repeat, n, overlap=True))
-            progress.update(len(done))
-            if repeat:
-                runs += [as_dict(r) for r in done]
+    for repeat, prompt in passes(config, prompts):
+        n = config.max_new_tokens
+        done = [grpc_run(client, "target-only", prompt, 0, 0.0, repeat, n)]
+        for g in config.overlap_gammas:
+            done.append(grpc_run(client, "fixed", prompt, g, 0.0, repeat, n))
+            done.append(grpc_run(client, "fixed + overlap", prompt, g, 0.0, repeat, n, overlap=True))
+        done.append(grpc_run(client, "auto", prompt, -1, 0.0, repeat, n))
+        done.append(grpc_run(client, "auto + overlap", prompt, -1, 0.0, repeat, n, overlap=True))
+        progress.update(len(done))
+        if repeat:
+            runs += [as_dict(r) for r in done]
     return runs
 
 
@@ -166,8 +173,8 @@ def run_performance(config: PerformanceConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(config.prompt_ids)
     started = time.time()
-    per_repeat = len(prompts) * (len(config.fixed_gammas) + 6 + 3 + 2 * len(config.overlap_gammas))
-    total = per_repeat * (config.repeats + 1) + 2 * sum(config.concurrency) * config.requests_per_client
+    per_prompt = len(config.fixed_gammas) + 6 + 3 + 2 * len(config.overlap_gammas)
+    total = per_prompt * (len(prompts) * config.repeats + 1) + 2 * sum(config.concurrency) * config.requests_per_client
     progress = tqdm(total=total, desc="bench performance", unit="run")
     extra = ["--max-num-speculative-tokens", "8"]
     with Cluster(config.target_model, config.draft_model, free_port(), extra, device=config.device, log_dir=out) as cluster:
@@ -175,6 +182,7 @@ def run_performance(config: PerformanceConfig) -> Path:
             schedule_runs = schedules(config, client, prompts, progress)
         sweep = concurrency(config, cluster.address, prompts, progress)
     # Separate cores, one thread each: what a deployment with the workers on separate devices looks like here.
+    separate_cores = len(os.sched_getaffinity(0)) >= 2
     pinned = Cluster(
         config.target_model,
         config.overlap_draft_model,
@@ -182,8 +190,8 @@ def run_performance(config: PerformanceConfig) -> Path:
         extra,
         device=config.device,
         log_dir=out / "overlap",
-        target_args=["--cpus", "0", "--threads", "1"],
-        draft_args=["--cpus", "1", "--threads", "1"],
+        target_args=["--cpus", "0", "--threads", "1"] if separate_cores else [],
+        draft_args=["--cpus", "1", "--threads", "1"] if separate_cores else [],
     )
     (out / "overlap").mkdir(exist_ok=True)
     with pinned as cluster, GenerationClient(cluster.address) as client:
@@ -197,6 +205,7 @@ def run_performance(config: PerformanceConfig) -> Path:
         "schedules": schedule_runs,
         "concurrency": sweep,
         "overlap": overlap,
+        "overlap_on_separate_cores": separate_cores,
     }
     results["analysis"] = analyse_performance(results)
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "heuristic, fixed), concurrency sweep, overlap on separate cores",
     )
     bench.add_argument(
-        "--overlap-draft-model", default="smollm2-135m#layers=3", help="performance: the model draft of the overlap runs"
+        "--overlap-draft-model", default="smollm2-135m#int8", help="performance: the model draft of the overlap runs"
     )
     health = commands.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
     health.add_argument("address", nargs="?", default="localhost:50051")

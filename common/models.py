@@ -6,9 +6,10 @@ Spellings:
   tiny-random:...,noise=0.5                       the same weights perturbed (a draft that agrees part of the time)
   random-shape:qwen2.5-0.5b[,seed=0]             random weights in a real model's shapes (for cost curves, e.g. on a GPU)
   anything else                                   passed to transformers' from_pretrained
+  any of these + "#int8"                          int8 dynamic quantization of every linear layer (CPU): a draft for
+                                                  its own float32 original, e.g. smollm2-135m#int8
   any of these + "#layers=N"                      only the first N decoder layers (with the model's own embeddings,
-                                                  final norm and head): a draft that shares its target's weights,
-                                                  e.g. smollm2-135m#layers=3 (early exit, as in LayerSkip)
+                                                  final norm and head): an early-exit draft, e.g. smollm2-135m#layers=3
 """
 
 import importlib.util
@@ -202,7 +203,7 @@ def build_random_shape(spec: str, device: torch.device, dtype: torch.dtype) -> L
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer alone, for the coordinator (which holds no model)."""
-    spec = split_layers(spec)[0]
+    spec = split_variant(spec)[0]
     if is_tiny_random(spec):
         return ByteTokenizer(int(parse_spec_params(spec, TINY_RANDOM_PREFIX, TINY_RANDOM_DEFAULTS)["vocab"]))
     if spec.startswith(RANDOM_SHAPE_PREFIX + ":"):
@@ -219,15 +220,32 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return HFTokenizer(hf_tokenizer, eos_ids_of(config, generation_config, hf_tokenizer))
 
 
-def split_layers(spec: str) -> tuple[str, int | None]:
-    """'model#layers=N' -> ('model', N); a spec without the suffix -> (spec, None)."""
-    base, sep, suffix = spec.rpartition("#")
-    if not sep:
-        return spec, None
-    key, _, value = suffix.partition("=")
-    if key != "layers" or not value.isdigit() or int(value) < 1:
-        raise InvalidArgument("model", f"{spec!r}: expected MODEL#layers=N with N >= 1")
-    return base, int(value)
+def split_variant(spec: str) -> tuple[str, str | None]:
+    """'model#variant' -> ('model', 'variant'); a spec without '#' -> (spec, None)."""
+    base, sep, variant = spec.rpartition("#")
+    return (base, variant) if sep else (spec, None)
+
+
+def make_variant(loaded: LoadedModel, variant: str, spec: str) -> LoadedModel:
+    """A cheaper model made from a loaded one: a draft that shares its target's tokenizer and weights."""
+    key, _, value = variant.partition("=")
+    if key == "layers" and value.isdigit() and int(value) >= 1:
+        loaded = keep_first_layers(loaded, int(value), spec)
+    elif key == "int8" and not value:
+        loaded = quantize_int8(loaded)
+    else:
+        raise InvalidArgument("model", f"{spec!r}: expected MODEL#layers=N (N >= 1) or MODEL#int8")
+    loaded.name = spec
+    return loaded
+
+
+def quantize_int8(loaded: LoadedModel) -> LoadedModel:
+    """Every linear layer with int8 weights (per-tensor scales) and dynamically quantized activations: about 3.5x
+    faster than float32 on a CPU, a draft for its own float32 original."""
+    if loaded.device.type != "cpu":
+        raise InvalidArgument("model", "#int8 (dynamic quantization) runs on the CPU only")
+    torch.ao.quantization.quantize_dynamic(loaded.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    return loaded
 
 
 def keep_first_layers(loaded: LoadedModel, layers: int, spec: str) -> LoadedModel:
@@ -241,14 +259,13 @@ def keep_first_layers(loaded: LoadedModel, layers: int, spec: str) -> LoadedMode
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
-    loaded.name = spec
     return loaded
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
-    base, layers = split_layers(spec)
-    if layers is not None:
-        return keep_first_layers(load_model(base, device, dtype), layers, spec)
+    base, variant = split_variant(spec)
+    if variant is not None:
+        return make_variant(load_model(base, device, dtype), variant, spec)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if is_tiny_random(spec):

@@ -187,12 +187,17 @@ class SessionStreamServicer:
         self.engine = engine  # None while the model loads: calls are answered UNAVAILABLE
         self.idle_timeout = idle_timeout
         self.executor = compute_executor()
-        self.batcher = Batcher(self.executor, self.run_batch)
+        self.batcher = Batcher(self.executor, self.run_batch, self.stepping_sessions)
         self.lifecycle = Lifecycle(lambda: len(self.engine.sessions) if self.engine else 0)
 
     async def run(self, request, fn, *args):
         """Runs an engine call on the compute thread, under the trace context the message carried."""
         return await run_traced(self.executor, request.trace_context, fn, *args)
+
+    def stepping_sessions(self) -> int:
+        """Sessions that took a step in the last second: the ones a batch should wait for (an open session whose
+        request skips this worker, e.g. a round without drafting, is not waited for)."""
+        return self.engine.sessions.recently_active(1.0) if self.engine else 0
 
     def run_batch(self, calls: list) -> list:
         """Runs one batch of steps on the engine (on the compute thread)."""

@@ -2,6 +2,7 @@
 
 import itertools
 import os
+import time
 from typing import Generic, TypeVar
 
 from common.errors import ResourceExhausted
@@ -31,3 +32,8 @@ class SessionRegistry(Generic[S]):
 
     def __len__(self) -> int:
         return len(self.sessions)
+
+    def recently_active(self, seconds: float) -> int:
+        """Sessions that stepped within the last `seconds` (each session has a last_active monotonic time)."""
+        since = time.monotonic() - seconds
+        return sum(1 for session in self.sessions.values() if session.last_active >= since)

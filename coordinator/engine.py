@@ -519,7 +519,11 @@ class RequestRun:
                     proposal, exposed, g = truncated(ready, room), None, len(ready.token_ids)
                     ready = None
                 else:
-                    g = policy.choose(room) if self.draft else 0
+                    # With overlap a model draft drafts only behind verification: after a discarded pre-draft the
+                    # target verifies the pending token alone while the draft pre-drafts again (a model-free draft
+                    # costs nothing to ask, so it still drafts up front).
+                    behind_only = overlap and bool(self.engine.draft and self.engine.draft.forward_costs)
+                    g = policy.choose(room) if self.draft and not behind_only else 0
                     proposal = exposed = None
                 round_span = tracer().start_span("speculate", context=self.root_context, attributes={"specdec.gamma": g})
                 round_context = span_context(round_span)

@@ -56,3 +56,47 @@ def test_quick_bench_writes_json_report_and_plots(tmp_path):
     report = (out / "report.md").read_text()
     for heading in ("Gamma sweep", "Best gamma per category", "Temperature sweep", "Break-even cost ratio", "Cost curve"):
         assert heading in report
+
+
+def test_quick_performance_bench_reports_schedules_concurrency_and_overlap(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "bench",
+        "--suite",
+        "performance",
+        "--quick",
+        "--name",
+        "perf",
+        "--output-root",
+        str(tmp_path),
+        "--target-model",
+        TARGET,
+        "--draft-model",
+        f"{TARGET},noise=0.3",
+        "--overlap-draft-model",
+        f"{TARGET},noise=0.1",
+        "--max-new-tokens",
+        "12",
+    ]
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    out = tmp_path / "perf"
+    assert (out / "report.md").stat().st_size > 0
+    analysis = json.loads((out / "results.json").read_text())["analysis"]
+    schedules = analysis["schedules"]
+    assert {"target-only", "fixed 1", "fixed 4", "auto", "heuristic", "auto + overlap", "HF generate", "HF assisted"} == set(
+        schedules["tokens_per_second"]
+    )
+    assert schedules["greedy_identical"] and analysis["overlap"]["greedy_identical"]
+    assert [(r["system"], r["clients"]) for r in analysis["concurrency"]] == [
+        ("auto", 1),
+        ("auto", 4),
+        ("target-only", 1),
+        ("target-only", 4),
+    ]
+    assert all(r["outputs_match_single_client"] for r in analysis["concurrency"])
+    assert max(r["mean_target_batch"] for r in analysis["concurrency"]) > 1
+    overlap = analysis["overlap"]["overlap"]
+    assert set(overlap) == {"fixed + overlap 2", "auto + overlap"}
+    assert 0 <= overlap["fixed + overlap 2"]["hidden_draft_share"] <= 1
