@@ -127,6 +127,7 @@ def grpc_run(
                 "coordinator_us",
                 "total_us",
                 "draft_overlapped_us",
+                "queue_us",
             )
         },
         [(r.drafted, r.accepted) for r in response.rounds],

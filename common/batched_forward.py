@@ -151,6 +151,8 @@ def forward_sessions(
     logits_to_keep[i] rows of logits as CPU float32 [k_i, V]."""
     if model.config._attn_implementation != ATTENTION:
         use_ragged_attention(model)
+    if len(caches) > 1 and not getattr(model, "batch_invariant", True):
+        return [forward_sessions(model, [c], [ids], [k])[0] for c, ids, k in zip(caches, token_ids, logits_to_keep, strict=True)]
     device = next(model.parameters()).device
     lengths = [len(ids) for ids in token_ids]
     input_ids = torch.tensor([[t for ids in token_ids for t in ids]], dtype=torch.long, device=device)

@@ -34,8 +34,10 @@ class Batcher:
         self.last_pass = 0.0  # seconds
 
     async def submit(self, call):
-        """The call's result, once a batch containing it has run; its exception is raised here."""
+        """The call's result, once a batch containing it has run; its exception is raised here. The time the call
+        waited for its batch is set on it as queue_us, when it has that attribute."""
         future = asyncio.get_running_loop().create_future()
+        call.queued_at = time.monotonic()
         self.queue.append((call, future))
         self.arrived.set()
         if self.draining is None or self.draining.done():
@@ -45,7 +47,7 @@ class Batcher:
     async def gather(self) -> None:
         """Waits (briefly) until every open session has a step queued."""
         deadline = time.monotonic() + min(MAX_WAIT, WAIT_FRACTION * self.last_pass)
-        while len(self.queue) < min(self.open_sessions(), self.max_batch):
+        while len(self.queue) < min(self.open_sessions(), self.max_batch):  # noqa: ASYNC110 - woken by submit()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -56,23 +58,33 @@ class Batcher:
                 return
 
     async def drain(self) -> None:
-        loop = asyncio.get_running_loop()
         while self.queue:
-            await self.gather()
-            batch, self.queue = self.queue[: self.max_batch], self.queue[self.max_batch :]
-            batch = [(call, future) for call, future in batch if not future.done()]  # callers gone while waiting
-            if not batch:
-                continue
-            start = time.monotonic()
+            batch = []
             try:
-                results = await loop.run_in_executor(self.executor, self.run_batch, [call for call, _ in batch])
-            except Exception as error:  # noqa: BLE001 - handed to every caller of the batch
-                results = [error] * len(batch)
-            self.last_pass = time.monotonic() - start
-            for (_, future), result in zip(batch, results, strict=True):
-                if future.done():  # the caller went away (its stream was cancelled)
-                    continue
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+                await self.gather()
+                batch, self.queue = self.queue[: self.max_batch], self.queue[self.max_batch :]
+                batch = [(call, future) for call, future in batch if not future.done()]  # callers gone while waiting
+                if batch:
+                    await self.run(batch)
+            except Exception as error:  # noqa: BLE001 - never leave a caller waiting
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+
+    async def run(self, batch: list[tuple[object, asyncio.Future]]) -> None:
+        start = time.monotonic()
+        calls = [call for call, _ in batch]
+        for call in calls:
+            call.queue_us = int((start - call.queued_at) * 1e6)
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self.executor, self.run_batch, calls)
+        except Exception as error:  # noqa: BLE001 - handed to every caller of the batch
+            results = [error] * len(batch)
+        self.last_pass = time.monotonic() - start
+        for (_, future), result in zip(batch, results, strict=True):
+            if future.done():  # the caller went away (its stream was cancelled)
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)

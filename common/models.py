@@ -245,6 +245,9 @@ def quantize_int8(loaded: LoadedModel) -> LoadedModel:
     if loaded.device.type != "cpu":
         raise InvalidArgument("model", "#int8 (dynamic quantization) runs on the CPU only")
     torch.ao.quantization.quantize_dynamic(loaded.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    # Activations are quantized with one scale per tensor: in a batched pass one session's scale would depend on
+    # the others' activations, so each session gets its own pass (see common.batched_forward).
+    loaded.model.batch_invariant = False
     return loaded
 
 

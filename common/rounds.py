@@ -17,6 +17,7 @@ class Proposal:
     bytes_received: int = 0
     assumed_token: int | None = None  # overlap: the token assumed to precede x1 (the target's bonus)
     batch_size: int = 1
+    queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it
 
 
 @dataclass
@@ -34,3 +35,4 @@ class Verdict:
     bytes_received: int = 0
     batch_size: int = 1  # sessions in the target's batched forward pass
     batch_tokens: int = 0  # tokens fed in that pass, over all its sessions
+    queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it

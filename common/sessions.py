@@ -36,4 +36,5 @@ class SessionRegistry(Generic[S]):
     def recently_active(self, seconds: float) -> int:
         """Sessions that stepped within the last `seconds` (each session has a last_active monotonic time)."""
         since = time.monotonic() - seconds
-        return sum(1 for session in self.sessions.values() if session.last_active >= since)
+        # list() copies the values in one step: the compute thread may add a session meanwhile.
+        return sum(1 for session in list(self.sessions.values()) if session.last_active >= since)

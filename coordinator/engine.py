@@ -37,6 +37,7 @@ PROVIDER = "specdec"
 log = logging.getLogger("specdec.coordinator")
 DEADLINE_MARGIN = 0.25  # seconds
 DEFAULT_HEURISTIC_START = 4  # Hugging Face starts its heuristic schedule at num_assistant_tokens
+SEEDED_AUTO_GAMMA = 4  # auto for seeded sampling, which must not depend on timings
 FINISH_REASON_NAMES = {
     generation_pb2.FINISH_REASON_LENGTH: "length",
     generation_pb2.FINISH_REASON_EOS: "stop",
@@ -69,6 +70,7 @@ class TimeSplit:
     coordinator_us: int = 0
     total_us: int = 0
     draft_overlapped_us: int = 0  # drafting hidden behind verification; not part of total_us
+    queue_us: int = 0  # waiting on the workers for a batch to form or for the pass before it
 
     def add(self, other: "TimeSplit") -> None:
         for name in self.__dataclass_fields__:
@@ -154,25 +156,24 @@ def elapsed_us(start: float, end: float) -> int:
 def round_split(
     proposal: Proposal | None, pre: Proposal | None, verdict, draft_rtt_us: int, verify_rtt_us: int, pre_rtt_us: int, wall_us: int
 ) -> TimeSplit:
-    """A round's time by where it went: worker-reported compute and sync, the rest of each round trip is network.
+    """A round's time by where it went: worker-reported compute, sync and queueing; the rest of each round trip is
+    network.
 
-    proposal: drafted before verification (exposed); pre: drafted during it (overlap), whose compute counts as
-    hidden except for what ran past the verification.
+    proposal: drafted before verification (exposed); pre: drafted during it (overlap), whose work counts as hidden
+    except for what ran past the verification.
     """
-    draft_compute = proposal.compute_us if proposal else 0
-    draft_sync = proposal.sync_us if proposal else 0
+    draft_work = (proposal.compute_us + proposal.sync_us + proposal.queue_us) if proposal else 0
+    verify_work = verdict.compute_us + verdict.sync_us + verdict.queue_us
     concurrent_us = max(verify_rtt_us, pre_rtt_us)
     past_verify_us = concurrent_us - verify_rtt_us
     pre_work = (pre.compute_us + pre.sync_us) if pre else 0
     pre_exposed = min(pre_work, past_verify_us)
     return TimeSplit(
-        draft_us=draft_compute + pre_exposed,
+        draft_us=(proposal.compute_us if proposal else 0) + pre_exposed,
         verify_us=verdict.compute_us,
-        sync_us=draft_sync + verdict.sync_us,
-        network_us=max(0, draft_rtt_us - draft_compute - draft_sync)
-        + max(0, verify_rtt_us - verdict.compute_us - verdict.sync_us)
-        + past_verify_us
-        - pre_exposed,
+        sync_us=(proposal.sync_us if proposal else 0) + verdict.sync_us,
+        queue_us=(proposal.queue_us if proposal else 0) + verdict.queue_us,
+        network_us=max(0, draft_rtt_us - draft_work) + max(0, verify_rtt_us - verify_work) + past_verify_us - pre_exposed,
         coordinator_us=max(0, wall_us - draft_rtt_us - concurrent_us),
         total_us=wall_us,
         draft_overlapped_us=pre_work - pre_exposed,
@@ -232,7 +233,6 @@ class GenerationEngine:
         self.config = config
         self.metrics = CoordinatorMetrics()
         self.draft_availability = DraftAvailability(config.draft_retry_initial, config.draft_retry_max)
-        self.round_trip_ms = 0.0  # a GetInfo round trip to the target, measured at start-up (see build_engine)
 
     @property
     def max_context_length(self) -> int:
@@ -481,34 +481,34 @@ class RequestRun:
             return FixedPolicy(gamma)
         if self.params.gamma_schedule == "heuristic":
             return HeuristicPolicy(DEFAULT_HEURISTIC_START, self.config.max_num_speculative_tokens)
-        draft = self.engine.draft
         sampling = self.params.sampling
+        if sampling.seed is not None and not sampling.greedy:
+            # Gamma decides how the random streams are consumed: a seeded request must not let timings choose it,
+            # or the same seed would give different text on another replica or after a restart.
+            return FixedPolicy(SEEDED_AUTO_GAMMA)
+        draft = self.engine.draft
         return CostModelPolicy(
-            self.engine.target.forward_costs,
-            draft.forward_costs if draft else [],
-            self.config.max_num_speculative_tokens,
-            overhead_ms=None if sampling.seed is None or sampling.greedy else self.engine.round_trip_ms,
-            live=sampling.seed is None or sampling.greedy,
+            self.engine.target.forward_costs, draft.forward_costs if draft else [], self.config.max_num_speculative_tokens
         )
 
     async def events(self):
         totals = TimeSplit()
-        prefill_span = tracer().start_span("prefill", context=self.root_context)
-        opened = time.perf_counter()
-        try:
-            await self.open_sessions(span_context(prefill_span))
-        finally:
-            prefill_span.end()
-        totals.prefill_us = elapsed_us(opened, time.perf_counter())
-        policy = self.make_policy()
-        # The opening's round trip beyond the target's prefill: a first guess of the per-round overhead.
-        policy.observe_overhead(max(0, totals.prefill_us - self.target.prefill_us))
-        speculating = self.draft is not None
-        overlap = self.params.overlap and speculating
         rounds: list[RoundRecord] = []
         first_token_at = None
         output = self.output
-        try:
+        opened = time.perf_counter()
+        try:  # from here on, whatever happens, both sessions are closed
+            prefill_span = tracer().start_span("prefill", context=self.root_context)
+            try:
+                await self.open_sessions(span_context(prefill_span))
+            finally:
+                prefill_span.end()
+            totals.prefill_us = elapsed_us(opened, time.perf_counter())
+            policy = self.make_policy()
+            # The opening's round trip beyond the target's prefill: a first guess of the per-round overhead.
+            policy.observe_overhead(max(0, totals.prefill_us - self.target.prefill_us))
+            speculating = self.draft is not None
+            overlap = self.params.overlap and speculating
             sync = DraftSync()  # what the draft has not heard of yet
             ready: Proposal | None = None  # drafted during the previous round, consistent with the committed tokens
             round_start = time.perf_counter()

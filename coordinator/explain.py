@@ -2,7 +2,7 @@
 
 from specdec.v1 import generation_pb2
 
-COLUMNS = ["draft", "verify", "sync", "network", "coord", "total"]
+COLUMNS = ["draft", "verify", "sync", "queue", "network", "coord", "total", "hidden draft"]
 
 
 def ms(us: int) -> str:
@@ -14,9 +14,11 @@ def split_cells(split: generation_pb2.TimeSplit) -> list[str]:
         ms(split.draft_us),
         ms(split.verify_us),
         ms(split.sync_us),
+        ms(split.queue_us),
         ms(split.network_us),
         ms(split.coordinator_us),
         ms(split.total_us),
+        ms(split.draft_overlapped_us),
     ]
 
 
@@ -51,7 +53,8 @@ def explain_table(response: generation_pb2.GenerateResponse) -> str:
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    share = {name: getattr(total, f"{name}_us") for name in ("prefill", "draft", "verify", "sync", "network", "coordinator")}
+    names = ("prefill", "draft", "verify", "sync", "queue", "network", "coordinator")
+    share = {name: getattr(total, f"{name}_us") for name in names}
     parts = ", ".join(f"{name} {100 * us / total.total_us:.1f}%" for name, us in share.items()) if total.total_us else ""
     lines.append(f"request {ms(total.total_us)} ms: {parts}")
     return "\n".join(lines)

@@ -17,11 +17,12 @@ to the prior while unused, which makes the session try again now and then.
 
 from dataclasses import dataclass, field
 
-from common.cost_curve import cost_at
+from common.cost_curve import cost_at, effective_cost
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
-EVIDENCE_DECAY = 0.9  # per round: older rounds weigh less, so the estimate follows the text
+EVIDENCE_DECAY = 0.9  # per drafting round: older rounds weigh less, so the estimate follows the text
+IDLE_DECAY = 0.98  # per round without drafting: the estimate drifts back to the prior, so a session tries again
 SCALE_DECAY = 0.8
 
 
@@ -42,8 +43,9 @@ class AcceptanceEstimate:
     def update(self, drafted: int, accepted: int) -> None:
         """A round that drafted `drafted` tokens and had `accepted` accepted: each accepted token is a success, the
         first rejection (if any) a failure; the tokens after it were never tested."""
-        self.accepted *= EVIDENCE_DECAY
-        self.trials *= EVIDENCE_DECAY
+        decay = EVIDENCE_DECAY if drafted else IDLE_DECAY
+        self.accepted *= decay
+        self.trials *= decay
         if drafted:
             self.accepted += accepted
             self.trials += accepted + (accepted < drafted)
@@ -76,13 +78,9 @@ class CostModelPolicy:
     draft_scale: Scale = field(default_factory=Scale)
     overhead_ms: float | None = None  # per round, network and coordinator; None until first seen
     other_sessions: int = 0  # sessions batched with this one in the target's last forward pass
-    # False for seeded sampling: gamma then depends only on the request's own history and the deployment's fixed
-    # curves, never on timing or other requests, so that the same seed gives the same output (gamma decides how
-    # the random streams are consumed).
-    live: bool = True
 
     def verify_ms(self, tokens: int) -> float:
-        return self.target_scale.value * cost_at(self.target_costs, tokens * (1 + self.other_sessions))
+        return self.target_scale.value * effective_cost(self.target_costs, tokens * (1 + self.other_sessions))
 
     def draft_ms(self, gamma: int) -> float:
         """Drafting gamma tokens: gamma sequential passes of one token each."""
@@ -117,18 +115,14 @@ class CostModelPolicy:
     ) -> None:
         """Learns from a finished round: acceptance, the target's speed, and the load of its batch."""
         self.acceptance.update(drafted, accepted)
-        if not self.live:
-            return
         self.other_sessions = max(0, batch_size - 1)
-        self.target_scale.update(verify_us / 1e3, cost_at(self.target_costs, max(batch_tokens, verified_tokens)))
+        self.target_scale.update(verify_us / 1e3, effective_cost(self.target_costs, max(batch_tokens, verified_tokens)))
 
     def observe_draft(self, drafted: int, compute_us: int) -> None:
-        if drafted and self.draft_costs and self.live:
+        if drafted and self.draft_costs:
             self.draft_scale.update(compute_us / 1e3, drafted * cost_at(self.draft_costs, 1))
 
     def observe_overhead(self, overhead_us: int) -> None:
-        if not self.live and self.overhead_ms is not None:
-            return
         ms = overhead_us / 1e3
         self.overhead_ms = ms if self.overhead_ms is None else SCALE_DECAY * self.overhead_ms + (1 - SCALE_DECAY) * ms
 

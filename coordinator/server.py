@@ -6,8 +6,6 @@ import contextlib
 import hmac
 import logging
 import socket
-import statistics
-import time
 
 import grpc
 
@@ -105,19 +103,7 @@ async def build_engine(
     check_pair(target, draft, tokenizer.fingerprint)
     if config.default_num_speculative_tokens is None:
         config.default_num_speculative_tokens = default_gamma_for(workers.has_draft)
-    engine = GenerationEngine(workers, tokenizer, target, draft, config)
-    engine.round_trip_ms = await round_trip_ms(workers)
-    return engine
-
-
-async def round_trip_ms(workers: Workers, samples: int = 5) -> float:
-    """Median time of a GetInfo call to the target: the fixed per-round overhead seeded requests plan with."""
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        await workers.target_info()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return GenerationEngine(workers, tokenizer, target, draft, config)
 
 
 def advertised_host(host: str) -> str:

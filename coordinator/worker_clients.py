@@ -119,6 +119,7 @@ class GrpcTargetSession(StreamSession):
             bytes_received=received,
             batch_size=result.timing.batch_size,
             batch_tokens=result.timing.batch_tokens,
+            queue_us=result.timing.queue_us,
         )
 
 
@@ -157,6 +158,7 @@ class GrpcDraftSession(StreamSession):
             bytes_received=received,
             assumed_token=proposal.assumed_token_id if proposal.HasField("assumed_token_id") else None,
             batch_size=proposal.timing.batch_size,
+            queue_us=proposal.timing.queue_us,
         )
 
 

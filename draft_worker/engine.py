@@ -141,6 +141,8 @@ class DraftCall:
     assume_accepted: bool = False
     parent: Context | None = None
     sync_us: int = 0
+    queued_at: float = 0.0  # set by the batcher
+    queue_us: int = 0
 
 
 class DraftEngine:
@@ -266,6 +268,7 @@ class DraftEngine:
         compute_us = elapsed_us(start)
         for i, proposal in zip(ready, proposals, strict=True):
             proposal.compute_us, proposal.sync_us, proposal.batch_size = compute_us, calls[i].sync_us, len(ready)
+            proposal.queue_us = calls[i].queue_us
             spans[i].set_attributes({"specdec.drafted": len(proposal.token_ids), "specdec.batch_size": len(ready)})
             spans[i].end()
             results[i] = proposal

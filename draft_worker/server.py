@@ -45,7 +45,7 @@ class DraftServicer(SessionStreamServicer):
             proposal=draft_pb2.DraftProposal(
                 token_ids=proposal.token_ids,
                 distributions=[distribution_to_proto(d) for d in proposal.distributions],
-                timing=timing_to_proto(proposal.compute_us, proposal.sync_us, proposal.batch_size),
+                timing=timing_to_proto(proposal.compute_us, proposal.sync_us, proposal.batch_size, queue_us=proposal.queue_us),
                 assumed_token_id=proposal.assumed_token,
             )
         )

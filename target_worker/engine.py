@@ -14,7 +14,7 @@ from opentelemetry.context import Context
 
 from common.batched_forward import use_ragged_attention
 from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
-from common.cost_curve import measure_forward_costs
+from common.cost_curve import cheapest_rows, measure_forward_costs
 from common.errors import FailedPrecondition, InvalidArgument
 from common.models import LoadedModel
 from common.rounds import Verdict
@@ -50,6 +50,8 @@ class VerifyCall:
     draft_tokens: list[int]
     draft_dists: list[SparseDistribution]
     parent: Context | None = None
+    queued_at: float = 0.0  # set by the batcher
+    queue_us: int = 0
 
 
 @dataclass
@@ -136,20 +138,36 @@ class TargetEngine:
             )
             for i in ready
         ]
-        logits = forward_batch([calls[i].session.sequence for i in ready], feeds, [len(calls[i].draft_tokens) + 1 for i in ready])
+        sequences = [calls[i].session.sequence for i in ready]
+        keep = [len(calls[i].draft_tokens) + 1 for i in ready]
+        padding = self.padding(batch_tokens)
+        if padding:
+            # More rows are cheaper than these on this device: pad with a throwaway sequence of its own.
+            sequences, feeds, keep = [*sequences, CachedSequence(self.loaded.model, [])], [*feeds, [0] * padding], [*keep, 1]
+        try:
+            logits = forward_batch(sequences, feeds, keep)
+        except BaseException:
+            for span in spans:
+                span.end()
+            raise
         forward_us = elapsed_us(start)
-        for i, span, rows in zip(ready, spans, logits, strict=True):
+        for i, span, rows in zip(ready, spans, logits, strict=False):
             try:
                 verdict = self.decide(calls[i], rows, span)
             except Exception as error:  # noqa: BLE001 - fails this session's stream (and frees it), not the batch
-                span.end()
                 results[i] = error
                 continue
             verdict.batch_size, verdict.batch_tokens = len(ready), batch_tokens
             verdict.compute_us += forward_us
+            verdict.queue_us = calls[i].queue_us
             results[i] = verdict
         self.metrics.record_forward("verify", elapsed_us(start) / 1e6)
         return results
+
+    def padding(self, tokens: int) -> int:
+        if not getattr(self.loaded.model, "batch_invariant", True):
+            return 0  # its sessions run one pass each: padding would be a pass of its own
+        return cheapest_rows(self.forward_costs, tokens) - tokens
 
     def decide(self, call: VerifyCall, logits: torch.Tensor, span) -> Verdict:
         """The acceptance test on one session's scored rows, and the rollback of what it rejected."""
@@ -157,12 +175,14 @@ class TargetEngine:
         session.last_active = time.monotonic()
         start = time.perf_counter()
         gamma = len(draft_tokens)
-        probs = logits_to_probs(logits, session.params)
-        num_accepted, next_token = verify_draft(probs, draft_tokens, call.draft_dists, session.params, session.generator)
-        draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
-        distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
-        span.set_attributes({"specdec.accepted": num_accepted, "specdec.rollback": gamma - num_accepted})
-        span.end()
+        try:
+            probs = logits_to_probs(logits, session.params)
+            num_accepted, next_token = verify_draft(probs, draft_tokens, call.draft_dists, session.params, session.generator)
+            draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
+            distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
+            span.set_attributes({"specdec.accepted": num_accepted, "specdec.rollback": gamma - num_accepted})
+        finally:
+            span.end()
         compute_us = elapsed_us(start)
         sequence = session.sequence
         with tracer().start_as_current_span(

@@ -39,7 +39,9 @@ class TargetServicer(SessionStreamServicer):
                 rollback=verdict.rollback,
                 draft_token_probs=verdict.draft_token_probs,
                 distributions=[distribution_to_proto(d) for d in verdict.distributions],
-                timing=timing_to_proto(verdict.compute_us, verdict.sync_us, verdict.batch_size, verdict.batch_tokens),
+                timing=timing_to_proto(
+                    verdict.compute_us, verdict.sync_us, verdict.batch_size, verdict.batch_tokens, verdict.queue_us
+                ),
             )
         )
 

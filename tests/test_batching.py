@@ -8,6 +8,7 @@ import torch
 
 from common.batched_forward import GrowableLayer, forward_sessions, session_cache
 from common.errors import InvalidArgument
+from common.models import load_model
 from common.sampling import SamplingParams, truncate_probs
 from coordinator.client import build_request
 from coordinator.engine import CoordinatorConfig
@@ -104,3 +105,31 @@ def test_concurrent_requests_share_forward_passes_and_match_their_solo_output(ta
             assert all(r.target_batch_size == 1 for r in solo[0].rounds)
 
     asyncio.run(run())
+
+
+def test_an_int8_model_runs_its_sessions_one_pass_each_so_that_batching_cannot_change_them():
+    """Dynamic int8 quantization scales activations per tensor: batched, one session would see the others' scale."""
+    model = load_model("tiny-random:seed=0,vocab=256,layers=2,hidden=64#int8").model
+    layers = model.config.num_hidden_layers
+    alone, batched = [session_cache(layers) for _ in PROMPTS], [session_cache(layers) for _ in PROMPTS]
+    expected = [forward_sessions(model, [c], [p], [1])[0] for c, p in zip(alone, PROMPTS, strict=True)]
+    got = forward_sessions(model, batched, PROMPTS, [1] * len(PROMPTS))
+    assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
+
+
+def test_a_verification_padded_to_a_cheaper_row_count_gives_the_same_verdict(target_model):
+    engine = TargetEngine(target_model, calibrate=False)
+    engine.forward_costs = [(1, 10.0), (2, 30.0), (3, 30.0), (4, 12.0)]  # 2 or 3 rows cost more than 4
+    assert engine.padding(2) == 2 and engine.padding(1) == 0
+    greedy = SamplingParams(temperature=0)
+    padded, plain = engine.open_session(PROMPTS[3], greedy)[0], engine.open_session(PROMPTS[3], greedy)[0]
+    drafts = [[17], [17, 5]]
+    for draft in drafts:
+        dists = [truncate_probs(torch.eye(256)[t], 1) for t in draft]
+        got = engine.verify(padded, draft, dists)
+        engine.forward_costs, saved = [], engine.forward_costs
+        expected = engine.verify(plain, draft, dists)
+        engine.forward_costs = saved
+        assert (got.num_accepted, got.next_token) == (expected.num_accepted, expected.next_token)
+        assert padded.sequence.tokens == plain.sequence.tokens
+        assert padded.sequence.cache_len == plain.sequence.cache_len

@@ -175,7 +175,15 @@ def test_one_trace_spans_all_three_services_with_a_span_per_round(traced_cluster
     assert attributes["gen_ai.request.seed"] == 3
 
     split = response.time_split
-    parts = split.prefill_us + split.draft_us + split.verify_us + split.sync_us + split.network_us + split.coordinator_us
+    parts = (
+        split.prefill_us
+        + split.draft_us
+        + split.verify_us
+        + split.sync_us
+        + split.queue_us
+        + split.network_us
+        + split.coordinator_us
+    )
     root_us = (root.end_time_unix_nano - root.start_time_unix_nano) / 1000
     assert abs(parts - root_us) <= 0.1 * root_us, (parts, root_us)
     assert abs(split.total_us - root_us) <= 0.1 * root_us
