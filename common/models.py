@@ -15,6 +15,7 @@ Spellings:
 import importlib.util
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -244,7 +245,11 @@ def quantize_int8(loaded: LoadedModel) -> LoadedModel:
     faster than float32 on a CPU, a draft for its own float32 original."""
     if loaded.device.type != "cpu":
         raise InvalidArgument("model", "#int8 (dynamic quantization) runs on the CPU only")
-    torch.ao.quantization.quantize_dynamic(loaded.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    with warnings.catch_warnings():
+        # PyTorch announces the move of quantization to torchao; this pinned version still ships it.
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.ao.quantization.quantize_dynamic(loaded.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
     # Activations are quantized with one scale per tensor: in a batched pass one session's scale would depend on
     # the others' activations, so each session gets its own pass (see common.batched_forward).
     loaded.model.batch_invariant = False

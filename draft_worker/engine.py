@@ -188,14 +188,18 @@ class DraftEngine:
             raise InvalidArgument("start.max_q_entries", f"must be >= 0, got {max_q_entries}")
         session_id = self.sessions.reserve()
         start = time.perf_counter()
-        if self.loaded:
-            state = ModelDraftSession(self.loaded.model, prompt, params, max_q_entries or self.default_max_q_entries)
-        else:
-            state = NgramDraftSession(prompt, *self.ngram)
-        with tracer().start_as_current_span(
-            "prefill", attributes={"specdec.worker": "draft", "specdec.prompt_tokens": len(prompt)}
-        ):
-            cached = state.prefill()
+        try:
+            if self.loaded:
+                state = ModelDraftSession(self.loaded.model, prompt, params, max_q_entries or self.default_max_q_entries)
+            else:
+                state = NgramDraftSession(prompt, *self.ngram)
+            with tracer().start_as_current_span(
+                "prefill", attributes={"specdec.worker": "draft", "specdec.prompt_tokens": len(prompt)}
+            ):
+                cached = state.prefill()
+        except BaseException:
+            self.sessions.release(session_id)
+            raise
         self.metrics.record_forward("prefill", time.perf_counter() - start)
         handle = DraftSessionHandle(session_id, state)
         self.sessions.add(session_id, handle)

@@ -1,8 +1,8 @@
 """Verification on the target model: one forward pass per round, the acceptance test, and the cache rollback.
 
-The rounds of all sessions that are ready run as one batched forward pass (verify_batch); each session's
-verdict depends only on its own tokens and random stream, never on what it was batched with. The engine knows
-nothing of gRPC; target_worker.server translates protobuf to calls on it.
+The rounds of all sessions that are ready, and the prompts of opening ones, run as one batched forward pass
+(run_batch); each session's verdict depends only on its own tokens and random stream, never on what it was
+batched with. The engine knows nothing of gRPC; target_worker.server translates protobuf to calls on it.
 """
 
 import time
@@ -55,6 +55,16 @@ class VerifyCall:
 
 
 @dataclass
+class PrefillCall:
+    """An opening session's prompt, prefilled in a batch with the other sessions' rounds."""
+
+    session: TargetSession
+    parent: Context | None = None
+    queued_at: float = 0.0  # set by the batcher
+    queue_us: int = 0
+
+
+@dataclass
 class SessionOpened:
     session_id: str
     cached_tokens: int
@@ -69,24 +79,30 @@ class TargetEngine:
         self.metrics = WorkerMetrics("target", self.sessions)
         self.forward_costs = measure_forward_costs(loaded.model, loaded.vocab_size) if calibrate else []
 
-    def open_session(
-        self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0
-    ) -> tuple[TargetSession, SessionOpened]:
+    def begin_session(self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0) -> TargetSession:
+        """Checks the opening and reserves the session; its prompt is prefilled by a PrefillCall in a batch."""
         check_prompt(prompt, self.loaded.vocab_size, self.loaded.max_context_length, "start.prompt_token_ids")
         check_sampling(params, "start.sampling")
         if num_p_entries < 0:
             raise InvalidArgument("start.num_p_entries", f"must be >= 0, got {num_p_entries}")
         session_id = self.sessions.reserve()
-        start = time.perf_counter()
         sequence = CachedSequence(self.loaded.model, prompt)
-        with tracer().start_as_current_span(
-            "prefill", attributes={"specdec.worker": "target", "specdec.prompt_tokens": len(prompt)}
-        ):
-            sequence.prefill()
-        self.metrics.record_forward("prefill", time.perf_counter() - start)
-        session = TargetSession(session_id, sequence, params, make_generator(params.seed, "target"), num_p_entries)
-        self.sessions.add(session_id, session)
-        return session, SessionOpened(session_id, sequence.cache_len, elapsed_us(start))
+        return TargetSession(session_id, sequence, params, make_generator(params.seed, "target"), num_p_entries)
+
+    def abandon(self, session: TargetSession) -> None:
+        """Frees a session whose opening failed or was cancelled, prefilled or not."""
+        self.sessions.release(session.session_id)
+
+    def open_session(
+        self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0
+    ) -> tuple[TargetSession, SessionOpened]:
+        """Opens and prefills one session on its own (a batch of one)."""
+        session = self.begin_session(prompt, params, num_p_entries)
+        opened = self.run_batch([PrefillCall(session)])[0]
+        if isinstance(opened, Exception):
+            self.abandon(session)
+            raise opened
+        return session, opened
 
     def check_step(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> None:
         vocab = self.loaded.vocab_size
@@ -103,66 +119,86 @@ class TargetEngine:
 
     def verify(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict:
         """One session's round on its own (a batch of one)."""
-        verdict = self.verify_batch([VerifyCall(session, draft_tokens, draft_dists)])[0]
+        verdict = self.run_batch([VerifyCall(session, draft_tokens, draft_dists)])[0]
         if isinstance(verdict, Exception):
             raise verdict
         return verdict
 
-    def verify_batch(self, calls: list[VerifyCall]) -> list[Verdict | Exception]:
-        """Scores every session's [pending, x1..xg] in one forward pass, then per session accepts a prefix and crops
-        the rejected tail off its cache. A call that fails its checks gets its error; the others still run."""
-        results: list[Verdict | Exception | None] = [None] * len(calls)
+    def run_batch(self, calls: list["VerifyCall | PrefillCall"]) -> list[Verdict | SessionOpened | Exception]:
+        """One forward pass for every call: the rounds of open sessions ([pending, x1..xg] each, then the acceptance
+        test and the rollback of what it rejected) and the prompts of opening sessions (prefilled in the same pass:
+        the weights are streamed once for all of them). A call that fails its checks gets its error; the others
+        still run."""
+        results: list = [None] * len(calls)
         ready = []
         for i, call in enumerate(calls):
             try:
-                if call.session.session_id not in self.sessions.sessions:
-                    raise FailedPrecondition("the session is closed")
-                self.check_step(call.session, call.draft_tokens, call.draft_dists)
+                if isinstance(call, VerifyCall):
+                    if call.session.session_id not in self.sessions.sessions:
+                        raise FailedPrecondition("the session is closed")
+                    self.check_step(call.session, call.draft_tokens, call.draft_dists)
                 ready.append(i)
             except Exception as error:  # noqa: BLE001 - one bad message fails its own stream only
                 results[i] = error
         if not ready:
             return results
-        feeds = [calls[i].session.sequence.pending() + calls[i].draft_tokens for i in ready]
+        feeds = [self.feed(calls[i]) for i in ready]
         batch_tokens = sum(len(f) for f in feeds)
         start = time.perf_counter()
-        spans = [
-            tracer().start_span(
-                "target.verify",
-                context=calls[i].parent,
-                attributes={
-                    "specdec.gamma": len(calls[i].draft_tokens),
-                    "specdec.batch_size": len(ready),
-                    "specdec.batch_tokens": batch_tokens,
-                },
-            )
-            for i in ready
-        ]
-        sequences = [calls[i].session.sequence for i in ready]
-        keep = [len(calls[i].draft_tokens) + 1 for i in ready]
+        spans = [self.start_span(calls[i], len(ready), batch_tokens) for i in ready]
+        fed = [(i, f) for i, f in zip(ready, feeds, strict=True) if f]  # a one-token prompt has nothing to prefill
+        sequences = [calls[i].session.sequence for i, _ in fed]
+        feeds = [f for _, f in fed]
+        keep = [len(calls[i].draft_tokens) + 1 if isinstance(calls[i], VerifyCall) else 1 for i, _ in fed]
         padding = self.padding(batch_tokens)
-        if padding:
+        if padding and fed:
             # More rows are cheaper than these on this device: pad with a throwaway sequence of its own.
             sequences, feeds, keep = [*sequences, CachedSequence(self.loaded.model, [])], [*feeds, [0] * padding], [*keep, 1]
         try:
-            logits = forward_batch(sequences, feeds, keep)
+            logits = forward_batch(sequences, feeds, keep) if fed else []
         except BaseException:
             for span in spans:
                 span.end()
             raise
         forward_us = elapsed_us(start)
-        for i, span, rows in zip(ready, spans, logits, strict=False):
+        rows = dict(zip([i for i, _ in fed], logits, strict=False))
+        for i, span in zip(ready, spans, strict=True):
+            call = calls[i]
+            if isinstance(call, PrefillCall):
+                span.end()
+                if not self.sessions.add(call.session.session_id, call.session):
+                    results[i] = FailedPrecondition("the opening was abandoned")
+                    continue
+                results[i] = SessionOpened(call.session.session_id, call.session.sequence.cache_len, forward_us)
+                continue
             try:
-                verdict = self.decide(calls[i], rows, span)
+                verdict = self.decide(call, rows[i], span)
             except Exception as error:  # noqa: BLE001 - fails this session's stream (and frees it), not the batch
                 results[i] = error
                 continue
             verdict.batch_size, verdict.batch_tokens = len(ready), batch_tokens
             verdict.compute_us += forward_us
-            verdict.queue_us = calls[i].queue_us
+            verdict.queue_us = call.queue_us
             results[i] = verdict
         self.metrics.record_forward("verify", elapsed_us(start) / 1e6)
         return results
+
+    @staticmethod
+    def feed(call: "VerifyCall | PrefillCall") -> list[int]:
+        sequence = call.session.sequence
+        if isinstance(call, PrefillCall):
+            return sequence.tokens[:-1]  # the last prompt token stays pending for the first round
+        return sequence.pending() + call.draft_tokens
+
+    @staticmethod
+    def start_span(call: "VerifyCall | PrefillCall", batch_size: int, batch_tokens: int):
+        batch = {"specdec.batch_size": batch_size, "specdec.batch_tokens": batch_tokens}
+        if isinstance(call, PrefillCall):
+            attributes = {"specdec.worker": "target", "specdec.prompt_tokens": len(call.session.sequence.tokens), **batch}
+            return tracer().start_span("prefill", context=call.parent, attributes=attributes)
+        return tracer().start_span(
+            "target.verify", context=call.parent, attributes={"specdec.gamma": len(call.draft_tokens), **batch}
+        )
 
     def padding(self, tokens: int) -> int:
         if not getattr(self.loaded.model, "batch_invariant", True):

@@ -6,7 +6,7 @@ from common.models import load_model
 from common.protocol import distribution_from_proto, distribution_to_proto, sampling_from_proto, timing_to_proto
 from common.server import ServerOptions, SessionStreamServicer, serve_worker, start_serving
 from specdec.v1 import target_pb2, worker_pb2
-from target_worker.engine import TargetEngine, VerifyCall
+from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
 
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
 
@@ -16,13 +16,14 @@ class TargetServicer(SessionStreamServicer):
 
     async def open(self, request):
         start = request.start
-        session, opened = await self.run(
-            request,
-            self.engine.open_session,
-            list(start.prompt_token_ids),
-            sampling_from_proto(start.sampling),
-            start.num_p_entries,
+        session = self.engine.begin_session(
+            list(start.prompt_token_ids), sampling_from_proto(start.sampling), start.num_p_entries
         )
+        try:
+            opened = await self.batcher.submit(PrefillCall(session, self.parent(request)))
+        except BaseException:
+            self.engine.abandon(session)
+            raise
         started = worker_pb2.SessionStarted(
             session_id=opened.session_id, cached_tokens=opened.cached_tokens, timing=timing_to_proto(opened.compute_us)
         )
@@ -46,7 +47,7 @@ class TargetServicer(SessionStreamServicer):
         )
 
     def run_batch(self, calls):
-        return self.engine.verify_batch(calls)
+        return self.engine.run_batch(calls)
 
     def close(self, session) -> None:
         self.engine.close_session(session)

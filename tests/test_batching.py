@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from common.batched_forward import GrowableLayer, forward_sessions, session_cache
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, ResourceExhausted
 from common.models import load_model
 from common.sampling import SamplingParams, truncate_probs
 from coordinator.client import build_request
 from coordinator.engine import CoordinatorConfig
 from draft_worker.engine import DraftCall, DraftEngine
-from target_worker.engine import TargetEngine, VerifyCall
+from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
 from tests.conftest import draft_engine_for, running_services
 
 PROMPTS = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate([3, 11, 6, 25, 1, 9, 14, 4])]
@@ -62,7 +62,7 @@ def test_one_bad_call_in_a_batch_fails_alone(target_model):
     batch = [engine.open_session(p, greedy)[0] for p in PROMPTS[:3]]
     drafts = [[5, 6], [300, 1], [9]]  # 300 is outside the vocabulary
     dists = [[truncate_probs(torch.eye(256)[t % 256], 1) for t in d] for d in drafts]
-    results = engine.verify_batch([VerifyCall(s, d, q) for s, d, q in zip(batch, drafts, dists, strict=True)])
+    results = engine.run_batch([VerifyCall(s, d, q) for s, d, q in zip(batch, drafts, dists, strict=True)])
     assert isinstance(results[1], InvalidArgument) and "step.draft_token_ids" in str(results[1])
     for i in (0, 2):
         expected = engine.verify(solo[i], drafts[i], dists[i])
@@ -133,3 +133,30 @@ def test_a_verification_padded_to_a_cheaper_row_count_gives_the_same_verdict(tar
         assert (got.num_accepted, got.next_token) == (expected.num_accepted, expected.next_token)
         assert padded.sequence.tokens == plain.sequence.tokens
         assert padded.sequence.cache_len == plain.sequence.cache_len
+
+
+def test_an_opening_session_is_prefilled_in_the_same_pass_as_the_others_rounds(target_model):
+    engine = TargetEngine(target_model, calibrate=False)
+    greedy = SamplingParams(temperature=0)
+    running, reference = engine.open_session(PROMPTS[1], greedy)[0], engine.open_session(PROMPTS[1], greedy)[0]
+    opening = engine.begin_session(PROMPTS[3], greedy)
+    dists = [truncate_probs(torch.eye(256)[5], 1)]
+    opened, verdict = engine.run_batch([PrefillCall(opening), VerifyCall(running, [5], dists)])
+    assert opened.cached_tokens == len(PROMPTS[3]) - 1 and opening.session_id in engine.sessions.sessions
+    expected = engine.verify(reference, [5], dists)
+    assert (verdict.num_accepted, verdict.next_token) == (expected.num_accepted, expected.next_token)
+    assert verdict.batch_size == 2 and verdict.batch_tokens == len(PROMPTS[3]) - 1 + 2
+    alone = engine.open_session(PROMPTS[3], greedy)[0]
+    first = engine.verify(opening, [], [])
+    assert first.next_token == engine.verify(alone, [], []).next_token
+
+
+def test_an_abandoned_opening_frees_its_reservation(target_model):
+    engine = TargetEngine(target_model, max_sessions=1, calibrate=False)
+    session = engine.begin_session(PROMPTS[0], SamplingParams(temperature=0))
+    with pytest.raises(ResourceExhausted):
+        engine.begin_session(PROMPTS[1], SamplingParams(temperature=0))
+    engine.abandon(session)
+    assert isinstance(engine.run_batch([PrefillCall(session)])[0], Exception)
+    assert len(engine.sessions) == 0
+    engine.open_session(PROMPTS[1], SamplingParams(temperature=0))
