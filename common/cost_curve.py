@@ -14,14 +14,15 @@ from common.batched_forward import forward_sessions, session_cache
 
 # Token counts measured: every count a single session's round can feed, then batches of several sessions.
 CALIBRATION_TOKENS = [*range(1, 11), 12, 16, 24, 32, 48, 64]
-CALIBRATION_CONTEXT = 64  # tokens already in each session's cache
+CALIBRATION_CONTEXT = 160  # tokens already in each session's cache: a chat prompt and some of its answer
 MAX_TOKENS_PER_SESSION = 8
 MAX_PADDING = 4  # rows a pass may be padded by when more rows are cheaper (see cheapest_rows)
 
 
 def measure_forward_costs(model: torch.nn.Module, vocab_size: int, repeats: int = 2) -> list[tuple[int, float]]:
-    """(tokens, median ms) for each count in CALIBRATION_TOKENS; batches of more than 8 tokens are split over
-    sessions of at most 8, the way rounds of several sessions are batched."""
+    """(tokens, median ms) for each count in CALIBRATION_TOKENS, with logits for every token as a verification
+    needs them (the output layer is a large share of a small model's pass); batches of more than 8 tokens are
+    split over sessions of at most 8, the way rounds of several sessions are batched."""
     layers = model.config.get_text_config().num_hidden_layers
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab_size, (CALIBRATION_CONTEXT,), generator=generator).tolist()
@@ -39,7 +40,7 @@ def measure_forward_costs(model: torch.nn.Module, vocab_size: int, repeats: int 
         samples = []
         for _ in range(repeats + 1):  # the first run of each shape warms up the kernels
             start = time.perf_counter()
-            forward_sessions(model, batch, feeds, [1] * len(batch))
+            forward_sessions(model, batch, feeds, sizes)
             samples.append((time.perf_counter() - start) * 1e3)
             for cache, n in zip(batch, sizes, strict=True):
                 cache.crop(-n)

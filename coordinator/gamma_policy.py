@@ -17,7 +17,7 @@ to the prior while unused, which makes the session try again now and then.
 
 from dataclasses import dataclass, field
 
-from common.cost_curve import cost_at, effective_cost
+from common.cost_curve import cheapest_rows, cost_at
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
@@ -75,12 +75,20 @@ class CostModelPolicy:
     max_gamma: int
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     target_scale: Scale = field(default_factory=Scale)
+    row_scales: dict[int, Scale] = field(default_factory=dict)  # by padded row count
     draft_scale: Scale = field(default_factory=Scale)
     overhead_ms: float | None = None  # per round, network and coordinator; None until first seen
     other_sessions: int = 0  # sessions batched with this one in the target's last forward pass
 
     def verify_ms(self, tokens: int) -> float:
-        return self.target_scale.value * effective_cost(self.target_costs, tokens * (1 + self.other_sessions))
+        rows = cheapest_rows(self.target_costs, tokens * (1 + self.other_sessions))
+        return self.scale_at(rows) * cost_at(self.target_costs, rows)
+
+    def scale_at(self, rows: int) -> float:
+        """The correction measured at this row count, else the one measured over all rounds: the calibration's
+        shape can be off too (contexts longer than it used, kernels that behave differently under load)."""
+        scale = self.row_scales.get(rows)
+        return scale.value if scale is not None else self.target_scale.value
 
     def draft_ms(self, gamma: int) -> float:
         """Drafting gamma tokens: gamma sequential passes of one token each."""
@@ -116,7 +124,10 @@ class CostModelPolicy:
         """Learns from a finished round: acceptance, the target's speed, and the load of its batch."""
         self.acceptance.update(drafted, accepted)
         self.other_sessions = max(0, batch_size - 1)
-        self.target_scale.update(verify_us / 1e3, effective_cost(self.target_costs, max(batch_tokens, verified_tokens)))
+        rows = cheapest_rows(self.target_costs, max(batch_tokens, verified_tokens))
+        predicted = cost_at(self.target_costs, rows)
+        self.target_scale.update(verify_us / 1e3, predicted)
+        self.row_scales.setdefault(rows, Scale(self.target_scale.value)).update(verify_us / 1e3, predicted)
 
     def observe_draft(self, drafted: int, compute_us: int) -> None:
         if drafted and self.draft_costs:

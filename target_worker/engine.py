@@ -153,7 +153,9 @@ class TargetEngine:
         padding = self.padding(batch_tokens)
         if padding and fed:
             # More rows are cheaper than these on this device: pad with a throwaway sequence of its own.
-            sequences, feeds, keep = [*sequences, CachedSequence(self.loaded.model, [])], [*feeds, [0] * padding], [*keep, 1]
+            # Its logits are computed too: the curve was measured with logits for every token.
+            pad = CachedSequence(self.loaded.model, [])
+            sequences, feeds, keep = [*sequences, pad], [*feeds, [0] * padding], [*keep, padding]
         try:
             logits = forward_batch(sequences, feeds, keep) if fed else []
         except BaseException:

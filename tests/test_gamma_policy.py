@@ -110,3 +110,14 @@ def test_draft_sync_keeps_the_chain_across_overlap_hits_and_crops_after_a_miss()
     sync.commit_unheard([3])  # a round without the draft
     sync.commit_unheard([4])
     assert sync.take() == (0, [3, 4])
+
+
+def test_a_verification_slower_than_calibrated_stops_paying_once_measured():
+    """The curve says 5 rows cost 50 ms; if they take 80 in practice, a draft accepted 25 % of the time stops."""
+    policy = policy_with(0.25)
+    assert policy.choose(100) == 4
+    for _ in range(10):
+        policy.observe(drafted=4, accepted=1, verified_tokens=5, verify_us=80_000, batch_size=1, batch_tokens=5)
+        policy.observe(drafted=0, accepted=0, verified_tokens=1, verify_us=39_000, batch_size=1, batch_tokens=1)
+    policy.acceptance = AcceptanceEstimate(accepted=250, trials=1000)
+    assert policy.choose(100) == 0
