@@ -54,7 +54,7 @@ class Batcher:
             self.arrived.clear()
             try:
                 await asyncio.wait_for(self.arrived.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     async def drain(self) -> None:

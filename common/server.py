@@ -172,7 +172,7 @@ async def messages_until_idle(request_iterator, idle_timeout: float):
             message = await asyncio.wait_for(iterator.__anext__(), idle_timeout)
         except StopAsyncIteration:
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise errors.DeadlineExceeded(f"session idle for {idle_timeout:.0f} s; its cache was freed") from None
         yield message
 

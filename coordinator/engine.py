@@ -396,7 +396,7 @@ class RequestRun:
                 )
                 self.target = await asyncio.wait_for(opening, max(0.05, min(remaining, self.config.target_timeout)))
                 return
-            except (Unavailable, asyncio.TimeoutError) as error:
+            except (TimeoutError, Unavailable) as error:
                 last_error, attempts = error, attempts + 1
             self.target_generation += 1
             if attempts > self.config.max_target_retries or time.monotonic() + delay >= until:
@@ -442,9 +442,9 @@ class RequestRun:
     ) -> Proposal | None:
         """The draft's proposal, or None once the draft has failed or missed its per-round deadline."""
         try:
-            step = self.draft.step(num_accepted, committed, g, parent, assume_accepted)
-            return await asyncio.wait_for(step, self.config.draft_timeout)
-        except asyncio.TimeoutError as error:
+            async with asyncio.timeout(self.config.draft_timeout):
+                return await self.draft.step(num_accepted, committed, g, parent, assume_accepted)
+        except TimeoutError as error:
             self.fall_back("draft_timeout", error)
         except Exception as error:  # noqa: BLE001 - a failing draft only costs speed
             self.fall_back("draft_failed", error)
@@ -467,8 +467,9 @@ class RequestRun:
         dists = proposal.distributions if proposal else []
         while True:
             try:
-                return await asyncio.wait_for(self.target.verify(drafted, dists, parent), self.config.target_timeout)
-            except (Unavailable, asyncio.TimeoutError) as error:
+                async with asyncio.timeout(self.config.target_timeout):
+                    return await self.target.verify(drafted, dists, parent)
+            except (TimeoutError, Unavailable) as error:
                 log.warning("target session failed (%s); reopening it on %d committed tokens", error, len(self.output.token_ids))
                 self.root.add_event("target.reopen", {"exception.message": f"{type(error).__name__}: {error}"})
                 await close_all(self.target)
@@ -513,6 +514,7 @@ class RequestRun:
             ready: Proposal | None = None  # drafted during the previous round, consistent with the committed tokens
             round_start = time.perf_counter()
             while not output.finished:
+                raise_if_cancelled()
                 room = output.remaining - 1
                 overlapped = ready is not None
                 if ready is not None:
@@ -645,6 +647,14 @@ class RequestRun:
             self.params, result, self.engine.target.model_name, first_token_at, self.started, finished
         )
         yield result
+
+
+def raise_if_cancelled() -> None:
+    """asyncio.wait_for in Python 3.11 can swallow a cancellation that arrives as its awaitable completes (fixed in
+    3.12): the request would then run on after its caller left. The task still counts the cancellation."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()
 
 
 class DraftSync:

@@ -53,6 +53,7 @@ class StreamSession:
     def __init__(self, call):
         self.call = call
         self.prefill_us = 0
+        self.interrupted = False  # an exchange was cancelled between its write and its read
 
     async def exchange(self, request, parent: Context | None):
         """Sends one message carrying the parent span's trace context; returns the answer and both sizes in bytes."""
@@ -61,6 +62,9 @@ class StreamSession:
         try:
             await self.call.write(request)
             response = await self.call.read()
+        except asyncio.CancelledError:
+            self.interrupted = True
+            raise
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error, self.worker) from None
         except asyncio.InvalidStateError:
@@ -71,7 +75,11 @@ class StreamSession:
         return response, request.ByteSize(), response.ByteSize()
 
     async def close(self) -> None:
-        """Half-closes the stream so that the worker frees the session, and waits for it to finish."""
+        """Half-closes the stream so that the worker frees the session, and waits for it to finish. A stream whose
+        last exchange was interrupted is cancelled instead: its unread answer can keep it from finishing."""
+        if self.interrupted:
+            self.call.cancel()
+            return
         try:
             await self.call.done_writing()
             await asyncio.wait_for(self.call.code(), timeout=5)

@@ -32,7 +32,7 @@ def make_key():
 
 
 def make_certificate(subject: str, key, issuer_cert=None, issuer_key=None, is_ca=False):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     builder = (
         x509.CertificateBuilder()

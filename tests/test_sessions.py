@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from coordinator.client import build_request
+from coordinator.engine import raise_if_cancelled
 from draft_worker.engine import DraftEngine
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2_grpc, worker_pb2
 from target_worker.engine import TargetEngine
@@ -131,5 +132,21 @@ def test_a_stream_cancelled_during_its_prefill_frees_the_session_opened_after_it
                 await asyncio.sleep(0.5)
             assert await wait_for(lambda: draft.opened == 1)
             assert await wait_for(lambda: len(services.draft.sessions) == 0)
+
+    asyncio.run(run())
+
+
+def test_a_cancellation_swallowed_by_wait_for_still_stops_the_request():
+    """Python 3.11's asyncio.wait_for can return a result although its task was cancelled; the speculation loop
+    checks the task's cancellation count each round, so the request does not run on after its caller left."""
+
+    async def run():
+        asyncio.current_task().cancel()
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            pass  # what wait_for does when its awaitable completes in the same step
+        with pytest.raises(asyncio.CancelledError):
+            raise_if_cancelled()
 
     asyncio.run(run())
