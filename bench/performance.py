@@ -22,10 +22,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.runner import Run, grpc_run, hf_run, load_prompts, machine_description
+from bench.runner import grpc_run, hf_run, load_prompts, machine_description, run_to_dict
 from common.models import load_model
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, default_draft_for, free_port
+from draft_worker.ngram import is_ngram
 
 QUICK_PROMPTS = ["fix-typos", "palindrome", "capital"]
 
@@ -55,13 +56,9 @@ class PerformanceConfig:
             self.prompt_ids = self.prompt_ids or QUICK_PROMPTS
 
 
-def as_dict(run: Run) -> dict:
-    return asdict(run) | {"tokens_per_second": run.tokens_per_second}
-
-
 def schedules(config: PerformanceConfig, client: GenerationClient, prompts: list[dict], progress: tqdm) -> list[dict]:
     target = load_model(config.target_model, config.device)
-    ngram = config.draft_model.startswith("ngram")
+    ngram = is_ngram(config.draft_model)
     draft = None if ngram else load_model(config.draft_model, config.device)
     eos = target.tokenizer.eos_token_ids
     runs = []
@@ -78,7 +75,7 @@ def schedules(config: PerformanceConfig, client: GenerationClient, prompts: list
         done.append(hf_run(target.model, draft.model if draft else None, hf_label, prompt, ids, 4, n, eos, ngram))
         progress.update(len(done))
         if repeat:
-            runs += [as_dict(r) for r in done]
+            runs += [run_to_dict(r) for r in done]
     return runs
 
 
@@ -162,7 +159,7 @@ def overlap_runs(config: PerformanceConfig, client: GenerationClient, prompts: l
         done.append(grpc_run(client, "auto + overlap", prompt, -1, 0.0, repeat, n, overlap=True))
         progress.update(len(done))
         if repeat:
-            runs += [as_dict(r) for r in done]
+            runs += [run_to_dict(r) for r in done]
     return runs
 
 

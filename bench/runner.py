@@ -80,6 +80,10 @@ class Run:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+def run_to_dict(run: Run) -> dict:
+    return asdict(run) | {"tokens_per_second": run.tokens_per_second}
+
+
 def grpc_run(
     client: GenerationClient,
     system: str,
@@ -256,7 +260,7 @@ async def measure(config: BenchConfig, progress: tqdm, client: GenerationClient)
     curve = cost_curve(target.model, context)
     draft_seconds = draft_step_seconds(draft, context, ngram)
     return {
-        "runs": [asdict(r) | {"tokens_per_second": r.tokens_per_second} for r in runs],
+        "runs": [run_to_dict(r) for r in runs],
         "cost_curve": curve,
         "draft_step_seconds": draft_seconds,
     }

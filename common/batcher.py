@@ -12,6 +12,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
+
+def run_alone(run_batch: Callable[[list], list], call):
+    """One call through a batch method (a batch of one): its result, or its error raised."""
+    result = run_batch([call])[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 WAIT_FRACTION = 0.25  # of the last pass's duration
 MAX_WAIT = 0.02  # seconds
 

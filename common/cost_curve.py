@@ -70,8 +70,3 @@ def cheapest_rows(curve: list[tuple[int, float]], tokens: int) -> int:
     if not curve:
         return tokens
     return min(range(tokens, tokens + MAX_PADDING + 1), key=lambda rows: (cost_at(curve, rows), rows))
-
-
-def effective_cost(curve: list[tuple[int, float]], tokens: int) -> float:
-    """What a pass over `tokens` tokens costs once padded to the cheapest row count."""
-    return cost_at(curve, cheapest_rows(curve, tokens))

@@ -510,6 +510,10 @@ class RequestRun:
             policy.observe_overhead(max(0, totals.prefill_us - self.target.prefill_us))
             speculating = self.draft is not None
             overlap = self.params.overlap and speculating
+            # With overlap a model draft drafts only behind verification: after a discarded pre-draft the target
+            # verifies the pending token alone while the draft pre-drafts again (a model-free draft costs nothing
+            # to ask, so it still drafts up front).
+            behind_only = overlap and bool(self.engine.draft and self.engine.draft.forward_costs)
             sync = DraftSync()  # what the draft has not heard of yet
             ready: Proposal | None = None  # drafted during the previous round, consistent with the committed tokens
             round_start = time.perf_counter()
@@ -521,10 +525,6 @@ class RequestRun:
                     proposal, exposed, g = truncated(ready, room), None, len(ready.token_ids)
                     ready = None
                 else:
-                    # With overlap a model draft drafts only behind verification: after a discarded pre-draft the
-                    # target verifies the pending token alone while the draft pre-drafts again (a model-free draft
-                    # costs nothing to ask, so it still drafts up front).
-                    behind_only = overlap and bool(self.engine.draft and self.engine.draft.forward_costs)
                     g = policy.choose(room) if self.draft and not behind_only else 0
                     proposal = exposed = None
                 round_span = tracer().start_span("speculate", context=self.root_context, attributes={"specdec.gamma": g})

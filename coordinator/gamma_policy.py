@@ -139,12 +139,10 @@ class CostModelPolicy:
 
 
 @dataclass
-class HeuristicPolicy:
-    """Hugging Face's `num_assistant_tokens_schedule="heuristic"`: +2 after a round where every drafted token was
-    accepted, -1 (to at least 1) otherwise."""
+class FixedPolicy:
+    """The same gamma every round; learns nothing."""
 
     gamma: int
-    max_gamma: int
 
     def choose(self, limit: int, hidden_behind: int = 0) -> int:
         return min(self.gamma, limit)
@@ -152,9 +150,7 @@ class HeuristicPolicy:
     def observe(
         self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int
     ) -> None:
-        if not drafted:
-            return
-        self.gamma = min(self.gamma + 2, self.max_gamma) if accepted == drafted else max(1, self.gamma - 1)
+        pass
 
     def observe_draft(self, drafted: int, compute_us: int) -> None:
         pass
@@ -164,19 +160,15 @@ class HeuristicPolicy:
 
 
 @dataclass
-class FixedPolicy:
-    gamma: int
+class HeuristicPolicy(FixedPolicy):
+    """Hugging Face's `num_assistant_tokens_schedule="heuristic"`: +2 after a round where every drafted token was
+    accepted, -1 (to at least 1) otherwise."""
 
-    def choose(self, limit: int, hidden_behind: int = 0) -> int:
-        return min(self.gamma, limit)
+    max_gamma: int = 16
 
     def observe(
         self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int
     ) -> None:
-        pass
-
-    def observe_draft(self, drafted: int, compute_us: int) -> None:
-        pass
-
-    def observe_overhead(self, overhead_us: int) -> None:
-        pass
+        if not drafted:
+            return
+        self.gamma = min(self.gamma + 2, self.max_gamma) if accepted == drafted else max(1, self.gamma - 1)

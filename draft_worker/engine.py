@@ -11,6 +11,7 @@ import torch
 from opentelemetry.context import Context
 
 from common.batched_forward import use_ragged_attention
+from common.batcher import run_alone
 from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
 from common.cost_curve import measure_forward_costs
 from common.errors import FailedPrecondition, InvalidArgument
@@ -209,10 +210,7 @@ class DraftEngine:
         self, handle: DraftSessionHandle, num_accepted: int, committed: list[int], num_tokens: int, assume_accepted: bool = False
     ) -> Proposal:
         """One session's step on its own (a batch of one)."""
-        proposal = self.step_batch([DraftCall(handle, num_accepted, committed, num_tokens, assume_accepted)])[0]
-        if isinstance(proposal, Exception):
-            raise proposal
-        return proposal
+        return run_alone(self.step_batch, DraftCall(handle, num_accepted, committed, num_tokens, assume_accepted))
 
     def check_step(self, call: "DraftCall") -> None:
         handle, state = call.handle, call.handle.state

@@ -13,6 +13,7 @@ import torch
 from opentelemetry.context import Context
 
 from common.batched_forward import use_ragged_attention
+from common.batcher import run_alone
 from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
 from common.cost_curve import cheapest_rows, measure_forward_costs
 from common.errors import FailedPrecondition, InvalidArgument
@@ -98,11 +99,11 @@ class TargetEngine:
     ) -> tuple[TargetSession, SessionOpened]:
         """Opens and prefills one session on its own (a batch of one)."""
         session = self.begin_session(prompt, params, num_p_entries)
-        opened = self.run_batch([PrefillCall(session)])[0]
-        if isinstance(opened, Exception):
+        try:
+            return session, run_alone(self.run_batch, PrefillCall(session))
+        except Exception:
             self.abandon(session)
-            raise opened
-        return session, opened
+            raise
 
     def check_step(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> None:
         vocab = self.loaded.vocab_size
@@ -119,10 +120,7 @@ class TargetEngine:
 
     def verify(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict:
         """One session's round on its own (a batch of one)."""
-        verdict = self.run_batch([VerifyCall(session, draft_tokens, draft_dists)])[0]
-        if isinstance(verdict, Exception):
-            raise verdict
-        return verdict
+        return run_alone(self.run_batch, VerifyCall(session, draft_tokens, draft_dists))
 
     def run_batch(self, calls: list["VerifyCall | PrefillCall"]) -> list[Verdict | SessionOpened | Exception]:
         """One forward pass for every call: the rounds of open sessions ([pending, x1..xg] each, then the acceptance

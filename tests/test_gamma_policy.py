@@ -2,7 +2,7 @@
 
 import pytest
 
-from common.cost_curve import cheapest_rows, cost_at, effective_cost
+from common.cost_curve import cheapest_rows, cost_at
 from coordinator.engine import DraftSync
 from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, expected_tokens
 
@@ -24,7 +24,7 @@ def test_expected_tokens_per_round():
 
 def test_a_verification_is_padded_to_the_cheapest_row_count():
     assert [cheapest_rows(SMOLLM2_CPU, n) for n in (1, 2, 3, 4, 5, 6, 7)] == [1, 5, 5, 5, 5, 6, 8]
-    assert effective_cost(SMOLLM2_CPU, 3) == 50
+    assert cost_at(SMOLLM2_CPU, cheapest_rows(SMOLLM2_CPU, 3)) == 50
     assert cheapest_rows([], 3) == 3
 
 
