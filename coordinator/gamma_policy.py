@@ -67,6 +67,18 @@ class Scale:
 
 
 @dataclass
+class MeasuredSpeed:
+    """How fast the workers run as the rounds of every request measured it (measured over predicted), shared by
+    all requests of one coordinator: a new request starts from what earlier ones saw rather than from the start-up
+    calibration alone, which two workers calibrating at once on shared cores distort (each measures the other's
+    load), and which a short request would otherwise never get to correct."""
+
+    target_scale: Scale = field(default_factory=Scale)
+    row_scales: dict[int, Scale] = field(default_factory=dict)
+    draft_scale: Scale = field(default_factory=Scale)
+
+
+@dataclass
 class CostModelPolicy:
     """Chooses gamma from the acceptance estimate and both workers' cost curves (see the module's docstring)."""
 

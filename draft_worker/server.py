@@ -62,19 +62,31 @@ class DraftServicer(SessionStreamServicer):
 
 
 def load_draft_engine(
-    model: str, device: str = "cpu", dtype: str = "auto", max_sessions: int = 64, max_q_entries: int = 64
+    model: str,
+    device: str = "cpu",
+    dtype: str = "auto",
+    max_sessions: int = 64,
+    max_q_entries: int = 64,
+    linear: str = "auto",
 ) -> DraftEngine:
     if is_ngram(model):
         return DraftEngine(None, model, ngram=parse_ngram(model), max_sessions=max_sessions, default_max_q_entries=max_q_entries)
-    return DraftEngine(load_model(model, device, dtype), model, max_sessions=max_sessions, default_max_q_entries=max_q_entries)
+    loaded = load_model(model, device, dtype, linear)
+    return DraftEngine(loaded, model, max_sessions=max_sessions, default_max_q_entries=max_q_entries)
 
 
 async def serve(
-    model: str, options: ServerOptions, device: str = "cpu", dtype: str = "auto", max_sessions: int = 64, max_q_entries: int = 64
+    model: str,
+    options: ServerOptions,
+    device: str = "cpu",
+    dtype: str = "auto",
+    max_sessions: int = 64,
+    max_q_entries: int = 64,
+    linear: str = "auto",
 ) -> None:
     servicer = DraftServicer(idle_timeout=options.session_idle_timeout)
     await serve_worker(
-        SERVICE, servicer, lambda: load_draft_engine(model, device, dtype, max_sessions, max_q_entries), model, options
+        SERVICE, servicer, lambda: load_draft_engine(model, device, dtype, max_sessions, max_q_entries, linear), model, options
     )
 
 
