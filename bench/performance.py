@@ -57,9 +57,10 @@ class PerformanceConfig:
 
 
 def schedules(config: PerformanceConfig, client: GenerationClient, prompts: list[dict], progress: tqdm) -> list[dict]:
-    target = load_model(config.target_model, config.device)
+    # Hugging Face's baselines run what a transformers user runs: its own linear layers, not the workers' packed ones.
+    target = load_model(config.target_model, config.device, linear="eager")
     ngram = is_ngram(config.draft_model)
-    draft = None if ngram else load_model(config.draft_model, config.device)
+    draft = None if ngram else load_model(config.draft_model, config.device, linear="eager")
     eos = target.tokenizer.eos_token_ids
     runs = []
     for repeat, prompt in passes(config, prompts):

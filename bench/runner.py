@@ -222,6 +222,9 @@ async def measure(config: BenchConfig, progress: tqdm, client: GenerationClient)
     ngram = parse_ngram(config.draft_model) if is_ngram(config.draft_model) else None
     draft = None if ngram else load_model(config.draft_model, config.device)
     workers = InProcessWorkers(TargetEngine(target), DraftEngine(draft, config.draft_model, ngram=ngram or (3, 1)))
+    # Hugging Face's baselines run what a transformers user runs: its own linear layers, not the workers' packed ones.
+    hf_target = load_model(config.target_model, config.device, linear="eager")
+    hf_draft = None if ngram else load_model(config.draft_model, config.device, linear="eager")
     engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target.tokenizer)
     eos = target.tokenizer.eos_token_ids
     chats = {p["id"]: target.tokenizer.render_chat([{"role": "user", "content": p["prompt"]}]) for p in prompts}
@@ -233,12 +236,12 @@ async def measure(config: BenchConfig, progress: tqdm, client: GenerationClient)
             for gamma in config.gammas:
                 done.append(grpc_run(client, "specdec (gRPC)", prompt, gamma, 0.0, repeat, config.max_new_tokens))
             done.append(await in_process_run(engine, "specdec (in-process)", prompt, ids, DEFAULT_GAMMA, config.max_new_tokens))
-            done.append(hf_run(target.model, None, "HF generate", prompt, ids, 0, config.max_new_tokens, eos, True))
+            done.append(hf_run(hf_target.model, None, "HF generate", prompt, ids, 0, config.max_new_tokens, eos, True))
             hf_label = "HF prompt lookup" if ngram else "HF assisted"
             done.append(
                 hf_run(
-                    target.model,
-                    draft.model if draft else None,
+                    hf_target.model,
+                    hf_draft.model if hf_draft else None,
                     hf_label,
                     prompt,
                     ids,

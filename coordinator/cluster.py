@@ -83,7 +83,9 @@ class Cluster:
         """Starts the role again on the same port, with the same arguments."""
         return self.spawn(role, *self.commands[role])
 
-    def start(self, timeout: float = 600) -> None:
+    def start(self, timeout: float = 1800) -> None:
+        """Starts the three services and waits until the coordinator is SERVING. The timeout covers a cold first
+        start on the real pair: assembling its model files, loading, packing and calibrating both workers."""
         draft_model = self.draft_model or default_draft_for(self.target_model)
         target_port, draft_port = free_port(), free_port()
         self.target_address, self.draft_address = f"localhost:{target_port}", f"localhost:{draft_port}"

@@ -27,7 +27,7 @@ from common.rounds import Proposal
 from common.sampling import SamplingParams
 from common.telemetry import tracer
 from common.tokenizer import Tokenizer
-from coordinator.gamma_policy import CostModelPolicy, FixedPolicy, HeuristicPolicy, MeasuredSpeed
+from coordinator.gamma_policy import CostModelPolicy, FixedPolicy, HeuristicPolicy, MeasuredSpeed, Scale
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.output import OutputTracker
 from coordinator.workers import DraftSession, TargetSession, WorkerInfo, Workers
@@ -293,6 +293,7 @@ class GenerationEngine:
             self.draft_availability.failed()
             return False
         self.draft = draft
+        self.measured_speed.draft_scale = Scale()  # learned against the previous draft's curve
         log.info("draft worker %s connected", draft.model_name)
         return True
 

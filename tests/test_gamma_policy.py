@@ -1,10 +1,17 @@
 """Choosing gamma: the cost model against hand-computed cases, Hugging Face's heuristic, and the draft sync."""
 
+import asyncio
+
 import pytest
 
 from common.cost_curve import cheapest_rows, cost_at
-from coordinator.engine import DraftSync
-from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, expected_tokens
+from common.sampling import SamplingParams
+from coordinator.engine import CoordinatorConfig, DraftSync, GenerationParams
+from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, MeasuredSpeed, expected_tokens
+from coordinator.in_process import InProcessWorkers
+from coordinator.server import build_engine
+from target_worker.engine import TargetEngine
+from tests.conftest import draft_engine_for
 
 # Measured on this machine: SmolLM2-135M on 2 CPU cores, ms per forward pass of 1..9 tokens and larger batches.
 SMOLLM2_CPU = [(1, 39), (2, 59), (3, 73), (4, 55), (5, 50), (6, 53), (7, 64), (8, 53), (9, 60), (16, 72), (40, 102)]
@@ -121,3 +128,26 @@ def test_a_verification_slower_than_calibrated_stops_paying_once_measured():
         policy.observe(drafted=0, accepted=0, verified_tokens=1, verify_us=39_000, batch_size=1, batch_tokens=1)
     policy.acceptance = AcceptanceEstimate(accepted=250, trials=1000)
     assert policy.choose(100) == 0
+
+
+def test_policies_of_one_coordinator_share_the_worker_speed_they_measure():
+    speed = MeasuredSpeed()
+    first, second = (
+        policy_with(0.6, [(1, 10)], target_scale=speed.target_scale, row_scales=speed.row_scales, draft_scale=speed.draft_scale)
+        for _ in range(2)
+    )
+    for _ in range(20):  # the first request's draft runs 4x slower than its start-up curve said
+        first.observe_draft(2, 80_000)
+    assert second.draft_ms(1) == pytest.approx(40, rel=0.05)
+    assert policy_with(0.6, [(1, 10)]).draft_ms(1) == 10  # a policy of its own starts from the curve
+
+
+def test_a_request_leaves_what_its_rounds_measured_for_the_next(target_model, draft_models):
+    async def run():
+        workers = InProcessWorkers(TargetEngine(target_model, calibrate=True), draft_engine_for(draft_models, 0.1))
+        engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target_model.tokenizer)
+        assert engine.measured_speed.target_scale.value == 1.0
+        await engine.generate_all(GenerationParams(list(range(40, 60)), SamplingParams(temperature=0), 16, -1))
+        assert engine.measured_speed.target_scale.value != 1.0 and engine.measured_speed.row_scales
+
+    asyncio.run(run())

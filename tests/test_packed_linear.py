@@ -7,7 +7,7 @@ import torch
 from common.batched_forward import forward_sessions, session_cache
 from common.errors import InvalidArgument
 from common.models import RestrictedHead, load_model
-from common.packed_linear import PackedLinear, cheapest_min_rows, pack_linear_layers
+from common.packed_linear import PackedLinear, pack_linear_layers
 from common.sampling import SamplingParams, logits_to_probs, truncate_probs
 
 TINY = "tiny-random:seed=3,vocab=256,layers=2,hidden=64"
@@ -41,7 +41,6 @@ def test_padding_to_the_cheapest_row_count_does_not_change_a_row():
         packed.min_rows = 5
         padded = packed(x)
     torch.testing.assert_close(padded, alone, rtol=1e-6, atol=1e-6)
-    assert 1 <= cheapest_min_rows(packed, max_rows=4, repeats=2) <= 4
 
 
 def test_packing_replaces_every_float32_linear_layer():
