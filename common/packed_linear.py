@@ -19,6 +19,7 @@ import torch.nn.functional as F
 # The row count oneDNN's weight layout is chosen for. On the machines measured, 16 keeps every pass of 1 to 16
 # rows within 1.3x of the best layout for that row count.
 ROWS_HINT = 16
+EXACT_ROWS = 16  # row counts up to this run as they are (verification rounds); larger ones are bucketed
 
 
 class PackedLinear(torch.nn.Module):
@@ -35,14 +36,25 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         count = rows.shape[0]
-        if count < self.min_rows:
-            # Fewer rows can cost more than min_rows (oneDNN picks its kernel by the row count): pad with zeros.
-            rows = F.pad(rows, (0, 0, 0, self.min_rows - count))
+        padded = padded_rows(count, self.min_rows)
+        if padded > count:
+            rows = F.pad(rows, (0, 0, 0, padded - count))
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return y[:count].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def padded_rows(count: int, min_rows: int) -> int:
+    """The row count a call of `count` rows runs at: at least min_rows (fewer can cost more: oneDNN picks its kernel
+    by the row count), exact up to 16, then rounded up to one of 8 steps per power of two. oneDNN builds and keeps
+    a kernel for every row count it meets (about 0.5 MB each); batches and prompts of every size would otherwise
+    grow a worker's memory without bound. Padding costs at most 1/8 more rows."""
+    if count <= EXACT_ROWS:
+        return max(count, min_rows)
+    step = 1 << (count.bit_length() - 4)
+    return -(-count // step) * step
 
 
 def can_pack(model: torch.nn.Module) -> bool:

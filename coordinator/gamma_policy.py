@@ -6,10 +6,11 @@ The cost model picks the gamma that maximises expected tokens per second of the 
     E[tokens | g] = (1 - a^(g+1)) / (1 - a)             (Leviathan et al. 2023, eq. 1)
 
 with a the running acceptance estimate, draft(g) and verify(n) the workers' measured cost curves rescaled by what
-the rounds of this coordinator's requests actually took (MeasuredSpeed, shared by its requests), and overhead the round's network and coordinator time. When the target
-batches other sessions with this one, verify is the cost of the whole batch, assuming the others choose as this
-session does: that is the gamma that maximises the batch's throughput, which each session would otherwise
-overspend (an extra token is nearly free to the session that drafts it, and slows every session of the batch).
+the rounds of this coordinator's requests actually took (MeasuredSpeed, shared by its requests), and overhead
+the round's network and coordinator time. When the target batches other sessions with this one, verify is the
+cost of the whole batch, assuming the others choose as this session does: that is the gamma that maximises the
+batch's throughput, which each session would otherwise overspend (an extra token is nearly free to the session
+that drafts it, and slows every session of the batch).
 
 g = 0 (no speculation) is one of the choices, so a draft that keeps missing is not asked; its estimate drifts back
 to the prior while unused, which makes the session try again now and then.

@@ -61,7 +61,9 @@ async def serve(
     model: str, options: ServerOptions, device: str = "cpu", dtype: str = "auto", max_sessions: int = 64, linear: str = "auto"
 ) -> None:
     servicer = TargetServicer(idle_timeout=options.session_idle_timeout)
-    await serve_worker(SERVICE, servicer, lambda: TargetEngine(load_model(model, device, dtype, linear), max_sessions), model, options)
+    await serve_worker(
+        SERVICE, servicer, lambda: TargetEngine(load_model(model, device, dtype, linear), max_sessions), model, options
+    )
 
 
 async def start_target_server(engine: TargetEngine, options: ServerOptions | None = None) -> tuple[grpc.aio.Server, int]:

@@ -2,6 +2,9 @@
 
 import asyncio
 import contextlib
+import pathlib
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import grpc
@@ -118,3 +121,15 @@ class BackgroundServices:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.stopping.set)
         self.thread.join(30)
+
+
+def run_quick_bench(output_root: pathlib.Path, suite: str, *extra: str, max_new_tokens: int = 12) -> pathlib.Path:
+    """`specdec bench --suite SUITE --quick` as a user runs it, on the tiny pair (target TARGET, draft
+    TARGET,noise=0.3); returns the folder of its results."""
+    command = [
+        sys.executable, "-m", "common.cli", "bench", "--suite", suite, "--quick", "--name", suite,
+        "--output-root", str(output_root), "--target-model", TARGET, "--draft-model", draft_spec(0.3),
+        "--max-new-tokens", str(max_new_tokens), *extra,
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    return output_root / suite

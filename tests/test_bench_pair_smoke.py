@@ -2,36 +2,13 @@
 fields are there, every greedy output matches both references."""
 
 import json
-import subprocess
-import sys
 
 from bench.pair import ALL_SYSTEMS, SPECDEC_SYSTEMS
-
-TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
+from tests.conftest import run_quick_bench
 
 
 def test_quick_pair_bench_compares_every_system_and_reports_cost_curves(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "common.cli",
-        "bench",
-        "--suite",
-        "pair",
-        "--quick",
-        "--name",
-        "pair",
-        "--output-root",
-        str(tmp_path),
-        "--target-model",
-        TARGET,
-        "--draft-model",
-        f"{TARGET},noise=0.3",
-        "--max-new-tokens",
-        "12",
-    ]
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
-    out = tmp_path / "pair"
+    out = run_quick_bench(tmp_path, "pair")
     for name in ("results.json", "report.md", "cost_curves.png"):
         assert (out / name).stat().st_size > 0, name
     results = json.loads((out / "results.json").read_text())

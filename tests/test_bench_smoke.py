@@ -1,32 +1,12 @@
 """`specdec bench --quick` end to end on tiny random models: the report's files and fields are there."""
 
 import json
-import subprocess
-import sys
 
-TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
+from tests.conftest import TARGET, run_quick_bench
 
 
 def test_quick_bench_writes_json_report_and_plots(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "common.cli",
-        "bench",
-        "--quick",
-        "--name",
-        "smoke",
-        "--output-root",
-        str(tmp_path),
-        "--target-model",
-        TARGET,
-        "--draft-model",
-        f"{TARGET},noise=0.3",
-        "--max-new-tokens",
-        "16",
-    ]
-    subprocess.run(command, check=True, capture_output=True, timeout=600)
-    out = tmp_path / "smoke"
+    out = run_quick_bench(tmp_path, "speedup", max_new_tokens=16)
     for name in (
         "results.json",
         "report.md",
@@ -59,29 +39,7 @@ def test_quick_bench_writes_json_report_and_plots(tmp_path):
 
 
 def test_quick_performance_bench_reports_schedules_concurrency_and_overlap(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "common.cli",
-        "bench",
-        "--suite",
-        "performance",
-        "--quick",
-        "--name",
-        "perf",
-        "--output-root",
-        str(tmp_path),
-        "--target-model",
-        TARGET,
-        "--draft-model",
-        f"{TARGET},noise=0.3",
-        "--overlap-draft-model",
-        f"{TARGET},noise=0.1",
-        "--max-new-tokens",
-        "12",
-    ]
-    subprocess.run(command, check=True, capture_output=True, timeout=600)
-    out = tmp_path / "perf"
+    out = run_quick_bench(tmp_path, "performance", "--overlap-draft-model", f"{TARGET},noise=0.1")
     assert (out / "report.md").stat().st_size > 0
     analysis = json.loads((out / "results.json").read_text())["analysis"]
     schedules = analysis["schedules"]

@@ -7,7 +7,7 @@ import torch
 from common.batched_forward import forward_sessions, session_cache
 from common.errors import InvalidArgument
 from common.models import RestrictedHead, load_model
-from common.packed_linear import PackedLinear, pack_linear_layers
+from common.packed_linear import PackedLinear, pack_linear_layers, padded_rows
 from common.sampling import SamplingParams, logits_to_probs, truncate_probs
 
 TINY = "tiny-random:seed=3,vocab=256,layers=2,hidden=64"
@@ -41,6 +41,16 @@ def test_padding_to_the_cheapest_row_count_does_not_change_a_row():
         packed.min_rows = 5
         padded = packed(x)
     torch.testing.assert_close(padded, alone, rtol=1e-6, atol=1e-6)
+
+
+def test_row_counts_are_bucketed_so_that_the_kernels_a_worker_keeps_stay_few():
+    # oneDNN keeps a kernel (about 0.5 MB) for every row count it meets: unbucketed, a worker's memory grew with
+    # every new batch or prompt size (the load test caught it).
+    assert [padded_rows(c, 1) for c in range(1, 17)] == list(range(1, 17))  # verification rounds run as they are
+    assert [padded_rows(c, 5) for c in (1, 4, 5, 6)] == [5, 5, 5, 6]
+    counts = range(1, 10_000)
+    assert len({padded_rows(c, 1) for c in counts}) <= 100
+    assert all(c <= padded_rows(c, 1) <= c * 9 / 8 + 1 for c in counts)
 
 
 def test_packing_replaces_every_float32_linear_layer():
