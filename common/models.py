@@ -330,6 +330,9 @@ def restrict_vocab(loaded: LoadedModel, count: int) -> LoadedModel:
     return loaded
 
 
+LINEAR_KERNELS = ("auto", "packed", "eager")
+
+
 def load_model(spec: str, device: str = "cpu", dtype: str = "auto", linear: str = "auto") -> LoadedModel:
     """The model of a --model spec. linear: "auto" runs the linear layers on oneDNN-packed weights where that
     path serves the model (CPU, float32), "packed" requires it, "eager" keeps transformers' own layers."""
@@ -338,23 +341,16 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "auto", linear: str 
     started = time.monotonic()
     loaded = load_unpacked(spec, device, dtype)
     log.info("loaded %s in %.1f s", spec, time.monotonic() - started)
-    if linear == "packed" and not can_pack(loaded.model):
+    packable = can_pack(loaded.model)
+    if linear == "packed" and not packable:
         raise InvalidArgument("linear", "packed linear layers need a float32 model on a CPU with oneDNN")
-    if linear == "packed" or (linear == "auto" and can_pack(loaded.model)):
+    if linear != "eager" and packable:
         started = time.monotonic()
         packed = pack_linear_layers(loaded.model)
         if packed:
-            log.info(
-                "packed %d linear layers for oneDNN in %.1f s (calls of fewer than %d rows are padded to %d)",
-                len(packed),
-                time.monotonic() - started,
-                packed[0].min_rows,
-                packed[0].min_rows,
-            )
+            elapsed, min_rows = time.monotonic() - started, packed[0].min_rows
+            log.info("packed %d linear layers in %.1f s (calls run on at least %d rows)", len(packed), elapsed, min_rows)
     return loaded
-
-
-LINEAR_KERNELS = ("auto", "packed", "eager")
 
 
 def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
