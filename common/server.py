@@ -5,6 +5,7 @@ import asyncio
 import concurrent.futures
 import logging
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from common.batcher import Batcher
 from common.services import add_service, check_parsed
 from common.telemetry import context_from, run_traced
 from common.tls import TlsFiles, server_credentials
+from specdec.v1 import worker_pb2
 
 # One speculation round carries at most a few hundred sparse entries; prompts are the largest messages. 16 MiB
 # holds a prompt of millions of tokens while keeping one request from exhausting a worker's memory.
@@ -217,6 +219,11 @@ class SessionStreamServicer:
     def close(self, session) -> None:
         raise NotImplementedError
 
+    @staticmethod
+    def timing(response) -> worker_pb2.WorkerTiming:
+        """The timing part of a step's response, where the handling time is written."""
+        raise NotImplementedError
+
     async def open_or_free(self, request):
         """open(), except that a stream cancelled during the prefill still frees the session the engine then adds
         (the prefill runs on the compute thread and cannot be interrupted)."""
@@ -243,6 +250,7 @@ class SessionStreamServicer:
         try:
             require_loaded(self.engine)
             async for request in messages_until_idle(request_iterator, self.idle_timeout):
+                received = time.perf_counter()
                 check_parsed(request)
                 kind = request.WhichOneof("kind")
                 if session is None:
@@ -254,7 +262,9 @@ class SessionStreamServicer:
                 elif kind != "step":
                     raise errors.InvalidArgument("step", "the session is already open; send steps")
                 else:
-                    yield await self.step(session, request)
+                    response = await self.step(session, request)
+                    self.timing(response).handling_us = int((time.perf_counter() - received) * 1e6)
+                    yield response
         except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
             await abort_with(context, error)
         finally:

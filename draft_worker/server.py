@@ -50,6 +50,10 @@ class DraftServicer(SessionStreamServicer):
             )
         )
 
+    @staticmethod
+    def timing(response):
+        return response.proposal.timing
+
     def run_batch(self, calls):
         return self.engine.step_batch(calls)
 

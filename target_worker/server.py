@@ -46,6 +46,10 @@ class TargetServicer(SessionStreamServicer):
             )
         )
 
+    @staticmethod
+    def timing(response):
+        return response.result.timing
+
     def run_batch(self, calls):
         return self.engine.run_batch(calls)
 

@@ -37,18 +37,20 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
-    __slots__ = ("compute_us", "sync_us", "batch_size", "batch_tokens", "queue_us")
+    __slots__ = ("compute_us", "sync_us", "batch_size", "batch_tokens", "queue_us", "handling_us")
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     SYNC_US_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_US_FIELD_NUMBER: _ClassVar[int]
+    HANDLING_US_FIELD_NUMBER: _ClassVar[int]
     compute_us: int
     sync_us: int
     batch_size: int
     batch_tokens: int
     queue_us: int
-    def __init__(self, compute_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., queue_us: _Optional[int] = ...) -> None: ...
+    handling_us: int
+    def __init__(self, compute_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., queue_us: _Optional[int] = ..., handling_us: _Optional[int] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
     __slots__ = ("tokens", "milliseconds")
