@@ -24,7 +24,8 @@ from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, free_port
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
-from coordinator.types import CoordinatorConfig, GenerationParams
+from coordinator.config import CoordinatorConfig
+from coordinator.types import GenerationParams
 from draft_worker.engine import DraftEngine
 from target_worker.engine import TargetEngine
 

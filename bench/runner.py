@@ -19,7 +19,8 @@ from common.models import load_model
 from common.sampling import SamplingParams
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, default_draft_for, free_port
-from coordinator.engine import CoordinatorConfig, GenerationParams
+from coordinator.config import CoordinatorConfig
+from coordinator.types import GenerationParams
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
 from draft_worker.engine import DraftEngine

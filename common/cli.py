@@ -186,7 +186,8 @@ def serve_role(args, port: int) -> int:
             serve(args.model or "ngram", options, args.device, args.dtype, args.max_sessions, args.max_q_entries, args.linear)
         )
     else:
-        from coordinator.engine import CoordinatorConfig, IncompatibleWorkers
+        from coordinator.config import CoordinatorConfig
+        from coordinator.engine import IncompatibleWorkers
         from coordinator.server import serve
 
         if not args.target:

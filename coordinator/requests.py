@@ -5,7 +5,8 @@ import math
 from common.errors import InvalidArgument
 from common.sampling import SamplingParams
 from common.tokenizer import CHAT_ROLES, Tokenizer
-from coordinator.engine import CoordinatorConfig, GenerationParams, GenerationResult, RoundRecord, TimeSplit
+from coordinator.config import CoordinatorConfig
+from coordinator.types import GenerationParams, GenerationResult, RoundStats, TimeSplit
 from coordinator.output import Delta
 from specdec.v1 import generation_pb2
 
@@ -88,7 +89,7 @@ def time_split_of(split: TimeSplit) -> generation_pb2.TimeSplit:
     return generation_pb2.TimeSplit(**vars(split))
 
 
-def round_of(record: RoundRecord) -> generation_pb2.SpeculationRound:
+def round_of(record: RoundStats) -> generation_pb2.SpeculationRound:
     return generation_pb2.SpeculationRound(
         gamma=record.gamma,
         drafted=record.drafted,

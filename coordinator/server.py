@@ -15,7 +15,8 @@ from common.server import Lifecycle, ServerOptions, abort_with, run_until_signal
 from common.services import check_parsed
 from common.telemetry import context_from
 from common.tls import TlsFiles
-from coordinator.engine import CoordinatorConfig, GenerationEngine, check_pair
+from coordinator.config import CoordinatorConfig
+from coordinator.engine import GenerationEngine, check_pair
 from coordinator.requests import params_of, response_of, stream_message_of
 from coordinator.worker_clients import GrpcWorkers, wait_until_serving
 from coordinator.workers import WorkerInfo, Workers

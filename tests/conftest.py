@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from common.models import load_model
-from coordinator.engine import CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.server import build_engine, start_coordinator_server
 from coordinator.worker_clients import GrpcWorkers
 from draft_worker.engine import DraftEngine

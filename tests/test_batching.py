@@ -11,7 +11,7 @@ from common.errors import InvalidArgument, ResourceExhausted
 from common.models import load_model
 from common.sampling import SamplingParams, truncate_probs
 from coordinator.client import build_request
-from coordinator.engine import CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from draft_worker.engine import DraftCall, DraftEngine
 from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
 from tests.conftest import draft_engine_for, running_services

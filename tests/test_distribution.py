@@ -14,7 +14,8 @@ from scipy import stats
 
 from common.models import load_model
 from common.sampling import SamplingParams, logits_to_probs
-from coordinator.engine import CoordinatorConfig, GenerationParams
+from coordinator.config import CoordinatorConfig
+from coordinator.types import GenerationParams
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
 from draft_worker.engine import DraftEngine

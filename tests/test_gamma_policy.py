@@ -6,7 +6,9 @@ import pytest
 
 from common.cost_curve import cheapest_rows, cost_at
 from common.sampling import SamplingParams
-from coordinator.engine import CoordinatorConfig, DraftSync, GenerationParams
+from coordinator.config import CoordinatorConfig
+from coordinator.round import DraftSync
+from coordinator.types import GenerationParams
 from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, MeasuredSpeed, expected_tokens
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine

@@ -7,7 +7,7 @@ import pytest
 
 from common.server import ServerOptions
 from coordinator.client import build_request
-from coordinator.engine import CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.server import build_engine, start_coordinator_server
 from coordinator.worker_clients import GrpcWorkers
 from specdec.v1 import generation_pb2_grpc, target_pb2, target_pb2_grpc, worker_pb2

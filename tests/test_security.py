@@ -15,7 +15,7 @@ from cryptography.x509.oid import NameOID
 from common.server import ServerOptions
 from common.tls import TlsFiles
 from coordinator.client import GenerationClient, build_request
-from coordinator.engine import CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.server import build_engine, start_coordinator_server
 from coordinator.worker_clients import GrpcWorkers
 from draft_worker.server import start_draft_server

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from coordinator.client import build_request
-from coordinator.engine import raise_if_cancelled
+from coordinator.round import raise_if_cancelled
 from draft_worker.engine import DraftEngine
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2_grpc, worker_pb2
 from target_worker.engine import TargetEngine

@@ -1,0 +1,125 @@
+"""What the coordinator's engine takes and gives: a request's parameters, one stats record per round, the result.
+
+Each round's RoundStats is the one record every sink reads: the round's span attributes, the speculation
+metrics, and the response's round list and totals.
+"""
+
+from dataclasses import dataclass, field, fields
+
+from common.sampling import SamplingParams
+from specdec.v1 import generation_pb2
+
+# OpenAI's and the GenAI conventions' names: an end-of-sequence token and a stop string both "stop".
+FINISH_REASON_NAMES = {
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_EOS: "stop",
+    generation_pb2.FINISH_REASON_STOP: "stop",
+}
+
+
+@dataclass
+class GenerationParams:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    num_speculative_tokens: int  # -1: chosen each round (auto), 0: off
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    operation: str = "text_completion"  # GenAI operation name: "chat" for chat messages
+    gamma_schedule: str = "cost_model"  # how auto chooses gamma: "cost_model" or "heuristic"
+    overlap: bool = False  # draft round n+1 while the target verifies round n
+
+
+@dataclass
+class TimeSplit:
+    """Where time went, in microseconds; the parts up to queue_us add up to total_us."""
+
+    prefill_us: int = 0
+    draft_us: int = 0
+    verify_us: int = 0
+    sync_us: int = 0
+    network_us: int = 0  # transport alone: round trips minus the workers' handling of the messages
+    coordinator_us: int = 0
+    total_us: int = 0
+    draft_overlapped_us: int = 0  # drafting hidden behind verification; not part of total_us
+    queue_us: int = 0  # waiting on the workers for a batch to form or for the pass before it
+    handling_us: int = 0  # the workers' own overhead: handling a message beyond its queue, compute and sync
+
+    def add(self, other: "TimeSplit") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def attributes(self, prefix: str) -> dict[str, int]:
+        return {f"{prefix}.{f.name.removesuffix('_us')}_us": getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def overhead_us(self) -> int:
+        """Time beyond the workers' compute, sync and queueing: what the split into services costs a round."""
+        return self.network_us + self.coordinator_us + self.handling_us
+
+
+@dataclass
+class RoundStats:
+    """What one speculation round did and what it cost."""
+
+    gamma: int
+    drafted: int
+    accepted: int
+    committed: int
+    time_split: TimeSplit
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    overlapped: bool = False  # the proposal was drafted while the previous round was verified
+    target_batch_size: int = 1
+
+    @property
+    def rollback(self) -> int:
+        return self.drafted - self.accepted
+
+    def attributes(self) -> dict:
+        """The round's span attributes."""
+        return {
+            "specdec.gamma": self.gamma,
+            "specdec.drafted": self.drafted,
+            "specdec.accepted": self.accepted,
+            "specdec.rollback": self.rollback,
+            "specdec.committed": self.committed,
+            "specdec.bytes_sent": self.bytes_sent,
+            "specdec.bytes_received": self.bytes_received,
+            "specdec.overlapped": self.overlapped,
+            "specdec.target_batch_size": self.target_batch_size,
+            **self.time_split.attributes("specdec.time"),
+        }
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: int
+    prompt_tokens: int
+    num_speculative_tokens: int
+    rounds: list[RoundStats]
+    time_split: TimeSplit
+    fallback_reason: str = ""
+    overlap: bool = False
+
+    @property
+    def overlapped_rounds(self) -> int:
+        return sum(r.overlapped for r in self.rounds)
+
+    @property
+    def drafted_tokens(self) -> int:
+        return sum(r.drafted for r in self.rounds)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(r.accepted for r in self.rounds)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_tokens_per_round(self) -> float:
+        return sum(r.committed for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
