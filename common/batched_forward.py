@@ -148,7 +148,9 @@ def forward_sessions(
     model: torch.nn.Module, caches: list[Cache], token_ids: list[list[int]], logits_to_keep: list[int]
 ) -> list[torch.Tensor]:
     """Feeds token_ids[i] on top of caches[i], all in one pass; returns for each session its last
-    logits_to_keep[i] rows of logits as CPU float32 [k_i, V]."""
+    logits_to_keep[i] rows of logits [k_i, V], on the model's device and in its dtype: a greedy verdict needs only
+    their argmax, so the rows (151,936 entries each for Qwen) are copied to CPU float32 only where sampling needs
+    them (as_sampling_input)."""
     if model.config._attn_implementation != ATTENTION:
         use_ragged_attention(model)
     if len(caches) > 1 and not getattr(model, "batch_invariant", True):
@@ -169,4 +171,9 @@ def forward_sessions(
         logits_to_keep=keep.to(device),
         ragged_lengths=lengths,
     )
-    return list(out.logits[0].float().cpu().split(logits_to_keep))
+    return list(out.logits[0].split(logits_to_keep))
+
+
+def as_sampling_input(logits: torch.Tensor) -> torch.Tensor:
+    """Logits as the sampling math takes them: CPU float32, so that a seed gives the same draws on any device."""
+    return logits.float().cpu()

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from common.batched_forward import forward_sessions, session_cache
+from common.batched_forward import as_sampling_input, forward_sessions, session_cache
 
 
 class CachedSequence:
@@ -29,7 +29,7 @@ class CachedSequence:
 
     def forward(self, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         """Feeds token_ids on top of the cache; returns the last logits_to_keep rows as CPU float32 [k, V]."""
-        return forward_batch([self], [token_ids], [logits_to_keep])[0]
+        return as_sampling_input(forward_batch([self], [token_ids], [logits_to_keep])[0])
 
     def prefill(self) -> None:
         """Caches the prompt but its last token, which stays pending for the first round."""

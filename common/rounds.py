@@ -10,7 +10,7 @@ class Proposal:
     """The draft's tokens x1..xg with the exact q_i each was sampled from."""
 
     token_ids: list[int]
-    distributions: list[SparseDistribution]
+    distributions: list[SparseDistribution]  # over gRPC, the protobuf messages as received (see worker_clients)
     compute_us: int = 0
     sync_us: int = 0
     bytes_sent: int = 0  # serialized size of the messages that asked for it and carried it (0 in process)
@@ -18,6 +18,7 @@ class Proposal:
     assumed_token: int | None = None  # overlap: the token assumed to precede x1 (the target's bonus)
     batch_size: int = 1
     queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it
+    handling_us: int = 0  # the worker's whole handling of the message (0: not measured, in process)
 
 
 @dataclass
@@ -36,3 +37,4 @@ class Verdict:
     batch_size: int = 1  # sessions in the target's batched forward pass
     batch_tokens: int = 0  # tokens fed in that pass, over all its sessions
     queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it
+    handling_us: int = 0  # the worker's whole handling of the message (0: not measured, in process)

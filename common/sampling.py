@@ -144,7 +144,11 @@ def speculative_accept(
 
 def greedy_accept(target_probs: torch.Tensor, draft_tokens: list[int]) -> tuple[int, int]:
     """Accept while argmax p_i == x_i; the next token is argmax of the first position not accepted."""
-    argmax = target_probs.argmax(dim=-1).tolist()
+    return accept_while_argmax(target_probs.argmax(dim=-1).tolist(), draft_tokens)
+
+
+def accept_while_argmax(argmax: list[int], draft_tokens: list[int]) -> tuple[int, int]:
+    """greedy_accept given the argmax of each row (of p, or of the logits: the same)."""
     n = 0
     while n < len(draft_tokens) and argmax[n] == draft_tokens[n]:
         n += 1

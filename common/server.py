@@ -7,7 +7,6 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -17,9 +16,10 @@ from grpc_reflection.v1alpha import reflection
 from common import errors
 from common.protocol import info_to_proto
 from common.batcher import Batcher
+from common.config import ServerOptions
 from common.services import add_service, check_parsed
 from common.telemetry import context_from, run_traced
-from common.tls import TlsFiles, server_credentials
+from common.tls import server_credentials
 from specdec.v1 import worker_pb2
 
 # One speculation round carries at most a few hundred sparse entries; prompts are the largest messages. 16 MiB
@@ -51,15 +51,6 @@ STATUS_CODES = {
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.WorkerFailed: grpc.StatusCode.INTERNAL,
 }
-
-
-@dataclass
-class ServerOptions:
-    port: int = 0
-    host: str = "0.0.0.0"
-    tls: TlsFiles = field(default_factory=TlsFiles)
-    grace_period: float = 30.0  # on SIGTERM: seconds in-flight calls get to finish
-    session_idle_timeout: float = 600.0  # workers: a stream with no message for this long is closed
 
 
 async def create_server(
@@ -98,6 +89,9 @@ async def serve_worker(
 ) -> None:
     """Runs a worker until SIGTERM: listening (NOT_SERVING) while load_engine() loads the model, then SERVING."""
     server, health_servicer, bound = await create_server(service, servicer, options)
+    # A process of its own: a lone session's step may run on the event loop's thread (see common.batcher). Not in
+    # start_serving, whose servers share their event loop with a coordinator (tests, benchmarks).
+    servicer.batcher.inline = True
     await server.start()
     log.info("%s listening on port %d, loading %s", service.name, bound, model)
     servicer.engine = await asyncio.to_thread(load_engine)
@@ -171,7 +165,8 @@ async def messages_until_idle(request_iterator, idle_timeout: float):
     iterator = request_iterator.__aiter__()
     while True:
         try:
-            message = await asyncio.wait_for(iterator.__anext__(), idle_timeout)
+            async with asyncio.timeout(idle_timeout):  # unlike wait_for, no task per message
+                message = await iterator.__anext__()
         except StopAsyncIteration:
             return
         except TimeoutError:
@@ -185,7 +180,7 @@ class SessionStreamServicer:
 
     role: int  # worker_pb2.WorkerRole reported by GetInfo
 
-    def __init__(self, engine=None, idle_timeout: float = 600.0):
+    def __init__(self, engine=None, idle_timeout: float = ServerOptions.session_idle_timeout):
         self.engine = engine  # None while the model loads: calls are answered UNAVAILABLE
         self.idle_timeout = idle_timeout
         self.executor = compute_executor()

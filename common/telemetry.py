@@ -50,13 +50,15 @@ def setup_telemetry(default_service_name: str, metrics_port: int | None = None) 
 
     attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": default_service_name}
     resource = Resource.create(attributes)
-    tracer_provider = TracerProvider(resource=resource)
     if otlp_configured("TRACES"):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+        tracer_provider = TracerProvider(resource=resource)
         tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    trace.set_tracer_provider(tracer_provider)
+        trace.set_tracer_provider(tracer_provider)
+    # Else the API's no-op tracer: spans nobody exports would cost every round their recording (several spans
+    # and a few dozen attributes); a caller's trace context still passes through to the workers.
 
     readers = []
     if otlp_configured("METRICS"):
@@ -75,7 +77,7 @@ def setup_telemetry(default_service_name: str, metrics_port: int | None = None) 
 
 
 def instrument_grpc() -> None:
-    from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer, filters
+    from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorServer, filters
 
     # Left out on the server side, on purpose:
     # - GenerationService: the coordinator opens the request's root span itself, named and attributed by the GenAI
@@ -83,7 +85,10 @@ def instrument_grpc() -> None:
     # - the workers' session streams (Draft, Verify): one span would cover a whole request, the per-message spans
     #   (prefill, draft.propose, target.verify, kv.rollback) carry the worker side, and grpc.aio finalizes a
     #   cancelled stream's handler in another context, which makes the interceptor log "Failed to detach context"
-    #   (open-telemetry/opentelemetry-python-contrib#2357). The coordinator's client spans still cover the streams.
+    #   (open-telemetry/opentelemetry-python-contrib#2357).
+    # The coordinator's channels to the workers are not instrumented either: grpc.aio's interceptor wrapper sends
+    # every message of a stream through a queue and a task of its own (two more event-loop hand-offs per message,
+    # on the path of every round), and the round's `draft` and `verify` spans already cover each exchange.
     untraced = filters.any_of(
         filters.health_check(),
         filters.service_prefix("grpc.reflection"),
@@ -92,9 +97,6 @@ def instrument_grpc() -> None:
         filters.full_method_name("/specdec.v1.TargetService/Verify"),
     )
     GrpcAioInstrumentorServer(filter_=filters.negate(untraced)).instrument()
-    GrpcAioInstrumentorClient(
-        filter_=filters.negate(filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection")))
-    ).instrument()
 
 
 def shutdown_telemetry() -> None:

@@ -1,9 +1,12 @@
 """Tokenizers behind one small interface: Hugging Face tokenizers and the byte-level one of tiny-random models."""
 
+import codecs
 import hashlib
 import json
-from typing import Protocol
 from collections.abc import Sequence
+from typing import Protocol
+
+from tokenizers.decoders import DecodeStream
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -17,6 +20,16 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def decode_stream(self) -> "TextStream": ...
+
+
+class TextStream(Protocol):
+    """Incremental detokenisation: the text of each new token, in constant time whatever came before (decoding
+    the whole output again every round would cost a long answer more per round than a short one)."""
+
+    def step(self, token_id: int) -> str:
+        """The text the token completes ("" while it is part of an unfinished character)."""
 
 
 def fingerprint_of(payload: object) -> str:
@@ -41,9 +54,21 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t - 1 for t in token_ids if 0 < t < min(self.vocab_size, 257)).decode("utf-8", errors="replace")
 
+    def decode_stream(self) -> "ByteStream":
+        return ByteStream(self.vocab_size)
+
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return self.encode(text)
+
+
+class ByteStream:
+    def __init__(self, vocab_size: int):
+        self.limit = min(vocab_size, 257)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        return self.decoder.decode(bytes([token_id - 1])) if 0 < token_id < self.limit else ""
 
 
 class HFTokenizer:
@@ -61,9 +86,21 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=True)
 
+    def decode_stream(self) -> "HFStream":
+        return HFStream(self.hf.backend_tokenizer)
+
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if self.hf.chat_template is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
             return self.encode(text)
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.hf.encode(text, add_special_tokens=False))
+
+
+class HFStream:
+    def __init__(self, backend):
+        self.backend = backend  # the tokenizers.Tokenizer under the transformers tokenizer
+        self.stream = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self.stream.step(self.backend, token_id) or ""

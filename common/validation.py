@@ -2,7 +2,6 @@
 
 import math
 
-import torch
 
 from common.errors import InvalidArgument
 from common.sampling import SamplingParams, SparseDistribution
@@ -35,16 +34,18 @@ def check_prompt(prompt: list[int], vocab_size: int, max_context: int, field: st
 
 
 def check_distribution(dist: SparseDistribution, token: int, vocab_size: int, field: str) -> None:
-    if dist.token_ids.numel() == 0 or dist.token_ids.numel() != dist.probs.numel():
+    # On Python lists: a few entries each, and checked for every drafted token of every round, where tensor ops
+    # would cost tens of microseconds apiece.
+    token_ids, probs = dist.token_ids.tolist(), dist.probs.tolist()
+    if not token_ids or len(token_ids) != len(probs):
         raise InvalidArgument(field, "token_ids and probs must be non-empty and of equal length")
-    check_token_ids(dist.token_ids.tolist(), vocab_size, f"{field}.token_ids")
-    if len(set(dist.token_ids.tolist())) != dist.token_ids.numel():
+    check_token_ids(token_ids, vocab_size, f"{field}.token_ids")
+    if len(set(token_ids)) != len(token_ids):
         raise InvalidArgument(f"{field}.token_ids", "must not repeat a token")
-    if not bool(torch.isfinite(dist.probs).all()) or bool((dist.probs < 0).any()):
+    if not all(math.isfinite(p) and p >= 0 for p in probs):
         raise InvalidArgument(f"{field}.probs", "must be finite and non-negative")
-    mass = float(dist.probs.sum())
+    mass = math.fsum(probs)
     if abs(mass - 1.0) > DISTRIBUTION_MASS_TOLERANCE:
         raise InvalidArgument(f"{field}.probs", f"must sum to 1, got {mass:.6f}")
-    in_support = dist.probs[dist.token_ids == token]
-    if in_support.numel() == 0 or float(in_support[0]) <= 0:
+    if token not in token_ids or probs[token_ids.index(token)] <= 0:
         raise InvalidArgument(field, f"drafted token {token} has no probability under its own distribution")

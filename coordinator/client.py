@@ -12,13 +12,8 @@ from collections.abc import Iterator
 import grpc
 
 from common.server import GRPC_OPTIONS
+from coordinator.types import FINISH_REASON_NAMES
 from specdec.v1 import generation_pb2, generation_pb2_grpc
-
-FINISH_REASONS = {
-    generation_pb2.FINISH_REASON_LENGTH: "length",
-    generation_pb2.FINISH_REASON_EOS: "eos",
-    generation_pb2.FINISH_REASON_STOP: "stop",
-}
 
 
 def build_request(
@@ -70,7 +65,7 @@ def response_to_dict(response: generation_pb2.GenerateResponse) -> dict:
     return {
         "text": response.text,
         "token_ids": list(response.token_ids),
-        "finish_reason": FINISH_REASONS.get(response.finish_reason, "unspecified"),
+        "finish_reason": FINISH_REASON_NAMES.get(response.finish_reason, "unspecified"),
         "usage": {"prompt_tokens": response.usage.prompt_tokens, "completion_tokens": response.usage.completion_tokens},
         "speculation": {
             "rounds": spec.rounds,

@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-DEFAULT_TARGET_MODEL = "smollm2-135m"
+from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_PORTS, DEFAULT_TARGET_MODEL, WorkerConfig
+
 # The best draft the project has for each target; prompt lookup for SmolLM2 (see README, "Choosing a draft").
-DEFAULT_DRAFTS = {"smollm2-135m": "ngram", "qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b#int8"}
+DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b#int8"}
+# How a service is started: the `specdec` command line (cli/), run by this interpreter.
+SERVE_COMMAND = [sys.executable, "-m", "cli", "serve"]
 
 
 # The three services share this machine's cores: OpenMP threads that spin while waiting for work take cycles from
@@ -23,7 +26,7 @@ LOCAL_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def default_draft_for(target_model: str) -> str:
-    return DEFAULT_DRAFTS.get(target_model, "ngram")
+    return DEFAULT_DRAFTS.get(target_model, DEFAULT_DRAFT_MODEL)
 
 
 def free_port() -> int:
@@ -45,12 +48,12 @@ def is_serving(address: str) -> bool:
 class Cluster:
     target_model: str = DEFAULT_TARGET_MODEL
     draft_model: str | None = None
-    port: int = 50051
+    port: int = DEFAULT_PORTS["coordinator"]
     extra_coordinator_args: list[str] = field(default_factory=list)
     extra_worker_args: list[str] = field(default_factory=list)
     target_args: list[str] = field(default_factory=list)  # for the target worker alone (e.g. --cpus 0 --threads 1)
     draft_args: list[str] = field(default_factory=list)
-    device: str = "cpu"
+    device: str = WorkerConfig.device
     env: dict[str, str] = field(default_factory=dict)  # added to each service's environment (e.g. OTEL_*)
     log_dir: pathlib.Path | None = None  # each service's output goes to <role>.log there instead of the terminal
     processes: list[subprocess.Popen] = field(default_factory=list)
@@ -65,7 +68,7 @@ class Cluster:
         self.commands[role] = args
         output = open(self.log_dir / f"{role}.log", "ab") if self.log_dir else None  # noqa: SIM115 - the process owns it
         process = subprocess.Popen(
-            [sys.executable, "-m", "common.cli", "serve", role, *args],
+            [*SERVE_COMMAND, role, *args],
             env={**LOCAL_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             stdout=output,
             stderr=subprocess.STDOUT if output else None,
@@ -152,7 +155,7 @@ class Cluster:
         self.stop()
 
 
-def up(target_model: str, draft_model: str | None, port: int, device: str = "cpu") -> int:
+def up(target_model: str, draft_model: str | None, port: int, device: str = WorkerConfig.device) -> int:
     cluster = Cluster(target_model, draft_model, port, device=device)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))

@@ -1,22 +1,57 @@
-"""The coordinator's settings and their defaults."""
+"""The coordinator's settings and their defaults; `specdec serve coordinator` derives its flags from them
+(common.config.add_arguments)."""
 
 from dataclasses import dataclass
+
+from common.config import TLS_GROUP, DraftWorkerConfig, setting
+from common.tls import TlsFiles
 
 
 @dataclass
 class CoordinatorConfig:
-    default_num_speculative_tokens: int | None = None  # None: auto (-1) with a draft worker, 0 without
-    max_num_speculative_tokens: int = 16
-    default_max_new_tokens: int = 256
-    max_new_tokens_cap: int = 4096
-    max_q_entries: int = 64
-    num_p_entries: int = 0
-    server_address: str = "localhost"
-    server_port: int = 0
-    draft_timeout: float = 2.0  # per-round deadline of the draft worker; missing it turns speculation off
-    draft_retry_initial: float = 0.5  # first pause before a failed draft worker is tried again, doubling
-    draft_retry_max: float = 30.0
-    target_timeout: float = 60.0  # per-round deadline of the target worker
-    target_retry_window: float = 30.0  # how long a request keeps reopening a failed target session
-    max_target_retries: int = 10
-    overlap: bool = False  # default of GenerateRequest.overlap
+    """The engine's settings: speculation, limits of a request, deadlines of the workers."""
+
+    default_num_speculative_tokens: int | None = setting(
+        None,
+        "default gamma; -1 (the default with a draft) chooses it each round, 0 (the default without) turns speculation off",
+        flags=("--num-speculative-tokens", "--gamma"),
+    )
+    max_num_speculative_tokens: int = setting(16, "largest gamma a request may ask")
+    default_max_new_tokens: int = setting(256, "max_new_tokens of a request that does not say")
+    max_new_tokens_cap: int = setting(4096, "largest max_new_tokens a request may ask")
+    # K of the draft's q; the same default as the draft worker's own, which applies when a session does not say.
+    max_q_entries: int = setting(DraftWorkerConfig.max_q_entries, cli=False)
+    num_p_entries: int = setting(0, "top entries of p the target returns per position")
+    server_address: str = setting("localhost", cli=False)  # set by the server once it listens
+    server_port: int = setting(0, cli=False)
+    draft_timeout: float = setting(2.0, "per-round deadline of the draft worker (s); missing it turns speculation off")
+    draft_retry_initial: float = setting(0.5, "first pause before a failed draft worker is tried again, doubling (s)", cli=False)
+    draft_retry_max: float = setting(30.0, "longest pause between tries of a failed draft worker (s)", cli=False)
+    target_timeout: float = setting(60.0, "per-round deadline of the target worker (s)")
+    target_retry_window: float = setting(30.0, "how long a request keeps reopening a failed target session (s)")
+    max_target_retries: int = setting(10, "most reopenings of a failed target session per request", cli=False)
+    overlap: bool = setting(
+        False,
+        "by default, draft round n+1 while the target verifies round n (pays when the workers run on separate devices or cores)",
+    )
+
+
+@dataclass
+class CoordinatorServerConfig:
+    """The coordinator process's settings beyond the engine's: its workers, tokenizer and admission."""
+
+    target: str | None = setting(None, "target worker address host:port (required)")
+    draft: str | None = setting(None, "draft worker address host:port (omit to run target-only)")
+    tokenizer: str | None = setting(None, "tokenizer spec (default: the target worker's model)")
+    max_concurrent_requests: int = setting(256, "more get RESOURCE_EXHAUSTED")
+    auth_token: str | None = setting(None, "require 'authorization: Bearer TOKEN'", env="SPECDEC_AUTH_TOKEN")
+    worker_tls: TlsFiles = setting(
+        TlsFiles(),
+        group=TLS_GROUP,
+        parts={
+            "cert": ("client certificate for the workers", "SPECDEC_WORKER_TLS_CERT"),
+            "key": ("its private key", "SPECDEC_WORKER_TLS_KEY"),
+            "ca": ("CA of the workers' certificates", "SPECDEC_WORKER_TLS_CA"),
+        },
+    )
+    startup_timeout: float = setting(600.0, "seconds to wait for the target worker to report SERVING")

@@ -16,7 +16,8 @@ import contextlib
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -24,160 +25,38 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from common.errors import InvalidArgument, Unavailable
 from common.rounds import Proposal
-from common.sampling import SamplingParams
 from common.telemetry import tracer
 from common.tokenizer import Tokenizer
-from coordinator.gamma_policy import CostModelPolicy, FixedPolicy, HeuristicPolicy, MeasuredSpeed, Scale
+from coordinator.config import CoordinatorConfig
+from coordinator.gamma_policy import (
+    DEPLOYMENT_DECAY,
+    AcceptanceEstimate,
+    CostModelPolicy,
+    FixedPolicy,
+    HeuristicPolicy,
+    MeasuredSpeed,
+    Scale,
+)
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.output import OutputTracker
+from coordinator.round import (
+    DraftSync,
+    Phase,
+    RoundResult,
+    elapsed_us,
+    raise_if_cancelled,
+    round_stats,
+    speculation_round,
+    truncated,
+)
+from coordinator.types import FINISH_REASON_NAMES, GenerationParams, GenerationResult, TimeSplit
 from coordinator.workers import DraftSession, TargetSession, WorkerInfo, Workers
-from specdec.v1 import generation_pb2
 
 PROVIDER = "specdec"
 log = logging.getLogger("specdec.coordinator")
 DEADLINE_MARGIN = 0.25  # seconds
 DEFAULT_HEURISTIC_START = 4  # Hugging Face starts its heuristic schedule at num_assistant_tokens
 SEEDED_AUTO_GAMMA = 4  # auto for seeded sampling, which must not depend on timings
-FINISH_REASON_NAMES = {
-    generation_pb2.FINISH_REASON_LENGTH: "length",
-    generation_pb2.FINISH_REASON_EOS: "stop",
-    generation_pb2.FINISH_REASON_STOP: "stop",
-}
-
-
-@dataclass
-class GenerationParams:
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    max_new_tokens: int
-    num_speculative_tokens: int  # -1: chosen each round (auto), 0: off
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    operation: str = "text_completion"  # GenAI operation name: "chat" for chat messages
-    gamma_schedule: str = "cost_model"  # how auto chooses gamma: "cost_model" or "heuristic"
-    overlap: bool = False  # draft round n+1 while the target verifies round n
-
-
-@dataclass
-class TimeSplit:
-    """Where time went, in microseconds; the parts add up to total_us."""
-
-    prefill_us: int = 0
-    draft_us: int = 0
-    verify_us: int = 0
-    sync_us: int = 0
-    network_us: int = 0
-    coordinator_us: int = 0
-    total_us: int = 0
-    draft_overlapped_us: int = 0  # drafting hidden behind verification; not part of total_us
-    queue_us: int = 0  # waiting on the workers for a batch to form or for the pass before it
-
-    def add(self, other: "TimeSplit") -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def attributes(self, prefix: str) -> dict[str, int]:
-        return {f"{prefix}.{name.removesuffix('_us')}_us": getattr(self, name) for name in self.__dataclass_fields__}
-
-
-@dataclass
-class RoundRecord:
-    gamma: int
-    drafted: int
-    accepted: int
-    committed: int
-    time_split: TimeSplit
-    bytes_sent: int
-    bytes_received: int
-    overlapped: bool = False  # the proposal was drafted while the previous round was verified
-    target_batch_size: int = 1
-
-    @property
-    def rollback(self) -> int:
-        return self.drafted - self.accepted
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: int
-    prompt_tokens: int
-    num_speculative_tokens: int
-    rounds: list[RoundRecord]
-    time_split: TimeSplit
-    fallback_reason: str = ""
-    overlap: bool = False
-
-    @property
-    def overlapped_rounds(self) -> int:
-        return sum(r.overlapped for r in self.rounds)
-
-    @property
-    def drafted_tokens(self) -> int:
-        return sum(r.drafted for r in self.rounds)
-
-    @property
-    def accepted_tokens(self) -> int:
-        return sum(r.accepted for r in self.rounds)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def mean_tokens_per_round(self) -> float:
-        return sum(r.committed for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
-
-
-@dataclass
-class CoordinatorConfig:
-    default_num_speculative_tokens: int | None = None  # None: auto (-1) with a draft worker, 0 without
-    max_num_speculative_tokens: int = 16
-    default_max_new_tokens: int = 256
-    max_new_tokens_cap: int = 4096
-    max_q_entries: int = 64
-    num_p_entries: int = 0
-    server_address: str = "localhost"
-    server_port: int = 0
-    draft_timeout: float = 2.0  # per-round deadline of the draft worker; missing it turns speculation off
-    draft_retry_initial: float = 0.5  # first pause before a failed draft worker is tried again, doubling
-    draft_retry_max: float = 30.0
-    target_timeout: float = 60.0  # per-round deadline of the target worker
-    target_retry_window: float = 30.0  # how long a request keeps reopening a failed target session
-    max_target_retries: int = 10
-    overlap: bool = False  # default of GenerateRequest.overlap
-
-
-def elapsed_us(start: float, end: float) -> int:
-    return int((end - start) * 1e6)
-
-
-def round_split(
-    proposal: Proposal | None, pre: Proposal | None, verdict, draft_rtt_us: int, verify_rtt_us: int, pre_rtt_us: int, wall_us: int
-) -> TimeSplit:
-    """A round's time by where it went: worker-reported compute, sync and queueing; the rest of each round trip is
-    network.
-
-    proposal: drafted before verification (exposed); pre: drafted during it (overlap), whose work counts as hidden
-    except for what ran past the verification.
-    """
-    draft_work = (proposal.compute_us + proposal.sync_us + proposal.queue_us) if proposal else 0
-    verify_work = verdict.compute_us + verdict.sync_us + verdict.queue_us
-    concurrent_us = max(verify_rtt_us, pre_rtt_us)
-    past_verify_us = concurrent_us - verify_rtt_us
-    pre_work = (pre.compute_us + pre.sync_us) if pre else 0
-    pre_exposed = min(pre_work, past_verify_us)
-    return TimeSplit(
-        draft_us=(proposal.compute_us if proposal else 0) + pre_exposed,
-        verify_us=verdict.compute_us,
-        sync_us=(proposal.sync_us if proposal else 0) + verdict.sync_us,
-        queue_us=(proposal.queue_us if proposal else 0) + verdict.queue_us,
-        network_us=max(0, draft_rtt_us - draft_work) + max(0, verify_rtt_us - verify_work) + past_verify_us - pre_exposed,
-        coordinator_us=max(0, wall_us - draft_rtt_us - concurrent_us),
-        total_us=wall_us,
-        draft_overlapped_us=pre_work - pre_exposed,
-    )
 
 
 def span_context(span: trace.Span) -> Context:
@@ -293,7 +172,9 @@ class GenerationEngine:
             self.draft_availability.failed()
             return False
         self.draft = draft
-        self.measured_speed.draft_scale = Scale()  # learned against the previous draft's curve
+        # Learned with the previous draft: its speed against its curve, and how often its tokens were accepted.
+        self.measured_speed.draft_scale = Scale()
+        self.measured_speed.acceptance = AcceptanceEstimate(decay=DEPLOYMENT_DECAY)
         log.info("draft worker %s connected", draft.model_name)
         return True
 
@@ -452,17 +333,6 @@ class RequestRun:
             self.fall_back("draft_failed", error)
         return None
 
-    async def pre_draft(self, sync: "DraftSync", g: int, parent: Context) -> tuple[Proposal | None, int]:
-        """Overlap: drafts the next round while the target verifies this one (see DraftStep.assume_accepted);
-        returns the proposal (None on failure) and its round-trip time."""
-        span = tracer().start_span("draft", context=parent, attributes={"specdec.overlapped": True, "specdec.gamma": g})
-        start = time.perf_counter()
-        try:
-            proposal = await self.propose(*sync.take(), g, span_context(span), assume_accepted=True)
-        finally:
-            span.end()
-        return proposal, elapsed_us(start, time.perf_counter())
-
     async def verify(self, proposal: Proposal | None, parent: Context):
         """The target's verdict; a failed target session is reopened and the same proposal verified again."""
         drafted = proposal.token_ids if proposal else []
@@ -494,23 +364,33 @@ class RequestRun:
             self.engine.target.forward_costs,
             draft.forward_costs if draft else [],
             self.config.max_num_speculative_tokens,
+            acceptance=AcceptanceEstimate(prior=speed.prior()),
             target_scale=speed.target_scale,
             row_scales=speed.row_scales,
             draft_scale=speed.draft_scale,
+            shared_acceptance=speed.acceptance,
         )
 
+    @property
+    def has_draft(self) -> bool:
+        return self.draft is not None
+
+    def next_gamma(self, policy, overlap: bool) -> Callable[[int], int]:
+        """Overlap: how many tokens to pre-draft behind the verification of a round that drafted `drafted`."""
+
+        def choose(drafted: int) -> int:
+            room = self.output.remaining - drafted - 2  # this round commits drafted + 1 at most
+            return policy.choose(room, hidden_behind=drafted + 1) if overlap and room > 0 else 0
+
+        return choose
+
     async def events(self):
-        totals = TimeSplit()
-        rounds: list[RoundRecord] = []
+        totals, rounds, output = TimeSplit(), [], self.output
         first_token_at = None
-        output = self.output
         opened = time.perf_counter()
         try:  # from here on, whatever happens, both sessions are closed
-            prefill_span = tracer().start_span("prefill", context=self.root_context)
-            try:
-                await self.open_sessions(span_context(prefill_span))
-            finally:
-                prefill_span.end()
+            with child_span("prefill", self.root_context) as parent:
+                await self.open_sessions(parent)
             totals.prefill_us = elapsed_us(opened, time.perf_counter())
             policy = self.make_policy()
             # The opening's round trip beyond the target's prefill: a first guess of the per-round overhead.
@@ -521,105 +401,35 @@ class RequestRun:
             # verifies the pending token alone while the draft pre-drafts again (a model-free draft costs nothing
             # to ask, so it still drafts up front).
             behind_only = overlap and bool(self.engine.draft and self.engine.draft.forward_costs)
-            sync = DraftSync()  # what the draft has not heard of yet
-            ready: Proposal | None = None  # drafted during the previous round, consistent with the committed tokens
+            next_gamma = self.next_gamma(policy, overlap)
+            sync, ready = DraftSync(), None  # what the draft has not heard of; a proposal drafted last round
             round_start = time.perf_counter()
             while not output.finished:
                 raise_if_cancelled()
                 room = output.remaining - 1
-                overlapped = ready is not None
                 if ready is not None:
-                    proposal, exposed, g = truncated(ready, room), None, len(ready.token_ids)
-                    ready = None
-                else:
-                    g = policy.choose(room) if self.draft and not behind_only else 0
-                    proposal = exposed = None
-                round_span = tracer().start_span("speculate", context=self.root_context, attributes={"specdec.gamma": g})
-                round_context = span_context(round_span)
-                t0 = time.perf_counter()
-                if g > 0 and not overlapped:
-                    draft_span = tracer().start_span("draft", context=round_context)
-                    try:
-                        proposal = exposed = await self.propose(*sync.take(), g, span_context(draft_span))
-                    finally:
-                        draft_span.end()
-                    if exposed is not None:
-                        policy.observe_draft(len(exposed.token_ids), exposed.compute_us)
-                t1 = time.perf_counter()
-                drafted = proposal.token_ids if proposal else []
-                pre_task = None
-                if overlap and self.draft is not None and output.remaining > len(drafted) + 2:
-                    g_next = policy.choose(output.remaining - len(drafted) - 2, hidden_behind=len(drafted) + 1)
-                    if g_next > 0:
-                        pre_task = asyncio.ensure_future(self.pre_draft(sync, g_next, round_context))
-                verify_span = tracer().start_span("verify", context=round_context)
+                    ready = truncated(ready, room)
+                gamma = policy.choose(room) if self.draft and not behind_only and ready is None else 0
+                round_span = tracer().start_span("speculate", context=self.root_context, attributes={"specdec.gamma": gamma})
                 try:
-                    verdict = await self.verify(proposal, span_context(verify_span))
-                except BaseException:
-                    if pre_task is not None:
-                        pre_task.cancel()
-                    raise
+                    result = await speculation_round(self, sync, gamma, ready, next_gamma, phases_under(round_span))
+                    ready = result.ready
+                    learn(policy, result)
+                    delta = output.add(result.committed)
+                    if delta.token_ids or delta.text:
+                        first_token_at = first_token_at or time.perf_counter()
+                        yield delta
+                    # A round ends where the next begins, so the time spent streaming its delta counts in it.
+                    round_end = time.perf_counter()
+                    stats = round_stats(result, elapsed_us(round_start, round_end))
+                    round_start = round_end
+                    policy.observe_overhead(stats.time_split.overhead_us)
+                    rounds.append(stats)
+                    totals.add(stats.time_split)
+                    round_span.set_attributes(stats.attributes())
+                    self.engine.metrics.record_round(stats, self.params.operation, self.engine.target.model_name)
                 finally:
-                    verify_span.end()
-                t2 = time.perf_counter()
-                pre, pre_rtt = (await pre_task) if pre_task is not None else (None, 0)
-                committed = drafted[: verdict.num_accepted] + [verdict.next_token]
-                hit = (
-                    pre is not None
-                    and verdict.num_accepted == len(drafted)
-                    and pre.assumed_token == verdict.next_token
-                    and self.draft is not None
-                )
-                if hit:
-                    sync.confirm(len(drafted) + 1)
-                    ready = pre if pre.token_ids else None
-                elif proposal is not None or pre_task is not None:
-                    sync.reject(verdict.num_accepted, verdict.next_token)
-                else:
-                    sync.commit_unheard(committed)
-                policy.observe(
-                    len(drafted),
-                    verdict.num_accepted,
-                    len(drafted) + 1,
-                    verdict.compute_us,
-                    verdict.batch_size,
-                    verdict.batch_tokens,
-                )
-                if pre is not None:
-                    policy.observe_draft(len(pre.token_ids) + 1, pre.compute_us)
-                delta = output.add(committed)
-                if delta.token_ids or delta.text:
-                    if first_token_at is None:
-                        first_token_at = time.perf_counter()
-                    yield delta
-                # A round ends where the next begins, so the time spent streaming its delta counts in it.
-                round_end = time.perf_counter()
-                split = round_split(
-                    exposed,
-                    pre,
-                    verdict,
-                    elapsed_us(t0, t1),
-                    elapsed_us(t1, t2),
-                    pre_rtt,
-                    elapsed_us(round_start, round_end),
-                )
-                policy.observe_overhead(split.network_us + split.coordinator_us)
-                record = RoundRecord(
-                    gamma=g,
-                    drafted=len(drafted),
-                    accepted=verdict.num_accepted,
-                    committed=len(committed),
-                    time_split=split,
-                    bytes_sent=sum(p.bytes_sent for p in (exposed, pre) if p) + verdict.bytes_sent,
-                    bytes_received=sum(p.bytes_received for p in (exposed, pre) if p) + verdict.bytes_received,
-                    overlapped=overlapped,
-                    target_batch_size=verdict.batch_size,
-                )
-                round_start = round_end
-                rounds.append(record)
-                totals.add(record.time_split)
-                round_span.set_attributes(round_attributes(record))
-                round_span.end()
+                    round_span.end()
         finally:
             closing = time.perf_counter()
             await asyncio.shield(close_all(self.target, self.draft))
@@ -656,66 +466,36 @@ class RequestRun:
         yield result
 
 
-def raise_if_cancelled() -> None:
-    """asyncio.wait_for in Python 3.11 can swallow a cancellation that arrives as its awaitable completes (fixed in
-    3.12): the request would then run on after its caller left. The task still counts the cancellation."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError()
+def learn(policy, result: RoundResult) -> None:
+    """What the gamma policy learns from a round: the draft's speed, acceptance, and the target's batch."""
+    verdict = result.verdict
+    if result.exposed is not None:
+        policy.observe_draft(len(result.exposed.token_ids), result.exposed.compute_us)
+    policy.observe(
+        result.drafted, verdict.num_accepted, result.drafted + 1, verdict.compute_us, verdict.batch_size, verdict.batch_tokens
+    )
+    if result.pre is not None:
+        policy.observe_draft(len(result.pre.token_ids) + 1, result.pre.compute_us)
 
 
-class DraftSync:
-    """What the draft worker has not heard of yet, sent with the next draft step (see DraftStep).
-
-    confirmed: tokens of the draft's chain (its proposals and assumed tokens since the last sync) the target has
-    committed; committed: tokens committed after them that the chain does not hold. Overlap hits extend the chain
-    without a sync; any other verdict needs one.
-    """
-
-    def __init__(self):
-        self.confirmed = 0
-        self.committed: list[int] = []
-
-    def take(self) -> tuple[int, list[int]]:
-        """(num_accepted, committed_token_ids) for the next step; nothing to apply while the chain is all valid."""
-        if not self.committed:
-            return 0, []
-        sync = (self.confirmed, self.committed)
-        self.confirmed, self.committed = 0, []
-        return sync
-
-    def confirm(self, tokens: int) -> None:
-        self.confirmed += tokens
-
-    def reject(self, accepted: int, next_token: int) -> None:
-        """The target accepted `accepted` of the chain's outstanding tokens, then committed next_token."""
-        self.confirmed += accepted
-        self.committed = [next_token]
-
-    def commit_unheard(self, tokens: list[int]) -> None:
-        """A round the draft took no part in."""
-        self.committed = self.committed + tokens
+@contextlib.contextmanager
+def child_span(name: str, parent: Context, **attributes):
+    """A span under parent; its context is what the worker calls of this phase carry."""
+    span = tracer().start_span(name, context=parent, attributes=attributes or None)
+    try:
+        yield span_context(span)
+    finally:
+        span.end()
 
 
-def truncated(proposal: Proposal, room: int) -> Proposal:
-    if len(proposal.token_ids) <= room:
-        return proposal
-    return replace(proposal, token_ids=proposal.token_ids[:room], distributions=proposal.distributions[:room])
+def phases_under(round_span: trace.Span) -> Phase:
+    """The round's phases (draft, verify) as child spans of its `speculate` span."""
+    parent = span_context(round_span)
 
+    def phase(name: str, overlapped: bool):
+        return child_span(name, parent, **({"specdec.overlapped": True} if overlapped else {}))
 
-def round_attributes(record: RoundRecord) -> dict:
-    return {
-        "specdec.gamma": record.gamma,
-        "specdec.drafted": record.drafted,
-        "specdec.accepted": record.accepted,
-        "specdec.rollback": record.rollback,
-        "specdec.committed": record.committed,
-        "specdec.bytes_sent": record.bytes_sent,
-        "specdec.bytes_received": record.bytes_received,
-        "specdec.overlapped": record.overlapped,
-        "specdec.target_batch_size": record.target_batch_size,
-        **record.time_split.attributes("specdec.time"),
-    }
+    return phase
 
 
 async def close_all(*sessions) -> None:

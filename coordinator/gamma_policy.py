@@ -25,6 +25,7 @@ PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
 EVIDENCE_DECAY = 0.9  # per drafting round: older rounds weigh less, so the estimate follows the text
 IDLE_DECAY = 0.98  # per round without drafting: the estimate drifts back to the prior, so a session tries again
 SCALE_DECAY = 0.8
+DEPLOYMENT_DECAY = 0.995  # per drafting round of any request: the deployment's acceptance follows its traffic
 
 
 def expected_tokens(acceptance: float, gamma: int) -> float:
@@ -36,15 +37,18 @@ def expected_tokens(acceptance: float, gamma: int) -> float:
 
 @dataclass
 class AcceptanceEstimate:
-    """The probability that the target accepts a drafted token, from this session's recent rounds."""
+    """The probability that the target accepts a drafted token, from this session's recent rounds, starting from
+    a prior (the deployment's recent acceptance, see MeasuredSpeed)."""
 
     accepted: float = 0.0
     trials: float = 0.0
+    prior: float = PRIOR_ACCEPTANCE
+    decay: float = EVIDENCE_DECAY  # per drafting round
 
     def update(self, drafted: int, accepted: int) -> None:
         """A round that drafted `drafted` tokens and had `accepted` accepted: each accepted token is a success, the
         first rejection (if any) a failure; the tokens after it were never tested."""
-        decay = EVIDENCE_DECAY if drafted else IDLE_DECAY
+        decay = self.decay if drafted else IDLE_DECAY
         self.accepted *= decay
         self.trials *= decay
         if drafted:
@@ -53,7 +57,7 @@ class AcceptanceEstimate:
 
     @property
     def rate(self) -> float:
-        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+        return (self.accepted + self.prior * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
 
 
 @dataclass
@@ -77,6 +81,12 @@ class MeasuredSpeed:
     target_scale: Scale = field(default_factory=Scale)
     row_scales: dict[int, Scale] = field(default_factory=dict)
     draft_scale: Scale = field(default_factory=Scale)
+    # The deployment's recent acceptance: the prior of a new request, which otherwise would start from 0.5 and
+    # spend its first rounds learning what every earlier request already showed.
+    acceptance: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(decay=DEPLOYMENT_DECAY))
+
+    def prior(self) -> float:
+        return self.acceptance.rate
 
 
 @dataclass
@@ -90,6 +100,7 @@ class CostModelPolicy:
     target_scale: Scale = field(default_factory=Scale)
     row_scales: dict[int, Scale] = field(default_factory=dict)  # by padded row count
     draft_scale: Scale = field(default_factory=Scale)
+    shared_acceptance: AcceptanceEstimate | None = None  # the deployment's (MeasuredSpeed.acceptance), fed too
     overhead_ms: float | None = None  # per round, network and coordinator; None until first seen
     other_sessions: int = 0  # sessions batched with this one in the target's last forward pass
 
@@ -136,6 +147,8 @@ class CostModelPolicy:
     ) -> None:
         """Learns from a finished round: acceptance, the target's speed, and the load of its batch."""
         self.acceptance.update(drafted, accepted)
+        if drafted and self.shared_acceptance is not None:
+            self.shared_acceptance.update(drafted, accepted)
         self.other_sessions = max(0, batch_size - 1)
         rows = cheapest_rows(self.target_costs, max(batch_tokens, verified_tokens))
         predicted = cost_at(self.target_costs, rows)

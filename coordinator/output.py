@@ -32,14 +32,17 @@ def held_back_length(text: str, stop: list[str]) -> int:
     return held
 
 
-def find_stop(text: str, stop: list[str]) -> int:
-    """Index of the earliest stop string in text, or -1."""
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+def find_stop(text: str, stop: list[str], start: int = 0) -> int:
+    """Index of the earliest stop string in text[start:], or -1."""
+    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
     return min(found) if found else -1
 
 
 @dataclass
 class OutputTracker:
+    """Detokenises incrementally (a round costs the same at token 2,000 as at token 20) and checks stop strings in
+    the new text only; the text of a finished answer is decoded once as a whole, so it is exactly the tokenizer's."""
+
     tokenizer: Tokenizer
     max_new_tokens: int
     stop: list[str] = field(default_factory=list)
@@ -50,6 +53,10 @@ class OutputTracker:
     emitted_tokens: int = 0
     emitted_chars: int = 0
     finish_reason: int = generation_pb2.FINISH_REASON_UNSPECIFIED
+
+    def __post_init__(self):
+        self.stream = self.tokenizer.decode_stream()
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
 
     @property
     def finished(self) -> bool:
@@ -65,24 +72,27 @@ class OutputTracker:
             self.token_ids.append(token)
             if not self.ignore_eos and token in self.eos_token_ids:
                 self.finish_reason = generation_pb2.FINISH_REASON_EOS
-            elif self.stop and self.check_stop_string():
+                break
+            checked = len(self.text)
+            self.text += self.stream.step(token)
+            if self.stop and self.cut_at_stop(checked):
                 self.finish_reason = generation_pb2.FINISH_REASON_STOP
             elif len(self.token_ids) >= self.max_new_tokens:
                 self.finish_reason = generation_pb2.FINISH_REASON_LENGTH
             if self.finished:
                 break
-        if self.finish_reason != generation_pb2.FINISH_REASON_STOP:
-            self.text = self.tokenizer.decode(self.token_ids)
+        if self.finished and self.finish_reason != generation_pb2.FINISH_REASON_STOP:
+            self.text = self.tokenizer.decode(self.token_ids)  # once: includes a character the answer left unfinished
         safe = len(self.text) if self.finished else len(self.text) - held_back_length(self.text, self.stop)
         delta = Delta(self.text[self.emitted_chars : max(safe, self.emitted_chars)], self.token_ids[self.emitted_tokens :])
         self.emitted_chars = max(safe, self.emitted_chars)
         self.emitted_tokens = len(self.token_ids)
         return delta
 
-    def check_stop_string(self) -> bool:
-        text = self.tokenizer.decode(self.token_ids)
-        index = find_stop(text, self.stop)
+    def cut_at_stop(self, checked: int) -> bool:
+        """Looks for a stop string ending in the text after `checked`; cuts the text before the first one found."""
+        index = find_stop(self.text, self.stop, max(0, checked - self.longest_stop + 1))
         if index < 0:
             return False
-        self.text = text[:index]
+        self.text = self.text[:index]
         return True

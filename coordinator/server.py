@@ -14,8 +14,7 @@ from common.models import load_tokenizer
 from common.server import Lifecycle, ServerOptions, abort_with, run_until_signalled, start_serving
 from common.services import check_parsed
 from common.telemetry import context_from
-from common.tls import TlsFiles
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, CoordinatorServerConfig
 from coordinator.engine import GenerationEngine, check_pair
 from coordinator.requests import params_of, response_of, stream_message_of
 from coordinator.worker_clients import GrpcWorkers, wait_until_serving
@@ -121,7 +120,7 @@ async def launch(engine: GenerationEngine, options: ServerOptions, max_concurren
 async def start_coordinator_server(
     engine: GenerationEngine,
     options: ServerOptions | None = None,
-    max_concurrent_requests: int = 256,
+    max_concurrent_requests: int = CoordinatorServerConfig.max_concurrent_requests,
     auth_token: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """The GenerationService over an engine, in the running event loop (used by tests and benchmarks)."""
@@ -129,25 +128,20 @@ async def start_coordinator_server(
     return server, bound
 
 
-async def serve(
-    target: str,
-    draft: str | None,
-    options: ServerOptions,
-    config: CoordinatorConfig,
-    tokenizer: str | None = None,
-    worker_tls: TlsFiles | None = None,
-    max_concurrent_requests: int = 256,
-    auth_token: str | None = None,
-    startup_timeout: float = 600,
-) -> None:
-    await wait_until_serving(target, startup_timeout, worker_tls)
+async def serve(settings: CoordinatorServerConfig, options: ServerOptions, config: CoordinatorConfig) -> None:
+    """Runs the coordinator until SIGTERM: waits for the target worker (and briefly the draft), checks the pair,
+    then serves. settings.target is required."""
+    target, draft, worker_tls = settings.target, settings.draft, settings.worker_tls
+    await wait_until_serving(target, settings.startup_timeout, worker_tls)
     if draft:
         # The draft gets a little longer than the target to come up; after that the coordinator starts without it.
         with contextlib.suppress(Exception):
             await wait_until_serving(draft, 15, worker_tls)
     workers = GrpcWorkers(target, draft, worker_tls)
-    engine = await build_engine(workers, config, tokenizer)
-    server, health_servicer, bound, lifecycle = await launch(engine, options, max_concurrent_requests, auth_token)
+    engine = await build_engine(workers, config, settings.tokenizer)
+    server, health_servicer, bound, lifecycle = await launch(
+        engine, options, settings.max_concurrent_requests, settings.auth_token
+    )
     log.info(
         "coordinator serving on port %d: target %s (%s), draft %s, gamma %d",
         bound,

@@ -45,6 +45,12 @@ def error_from_status(code: grpc.StatusCode, details: str | None, worker: str) -
     return WorkerFailed(f"{worker} worker failed: {code.name}: {details}")
 
 
+def wire_form(dist: SparseDistribution | worker_pb2.SparseDistribution) -> worker_pb2.SparseDistribution:
+    """q as the target receives it. A proposal that came over gRPC holds its q as received, so that it travels
+    on without a round of conversions to tensors and back."""
+    return dist if isinstance(dist, worker_pb2.SparseDistribution) else distribution_to_proto(dist)
+
+
 class StreamSession:
     """One bidirectional stream used as request/response pairs."""
 
@@ -110,9 +116,7 @@ class GrpcTargetSession(StreamSession):
     async def verify(
         self, draft_tokens: list[int], draft_dists: list[SparseDistribution], parent: Context | None = None
     ) -> Verdict:
-        step = target_pb2.VerifyStep(
-            draft_token_ids=draft_tokens, draft_distributions=[distribution_to_proto(d) for d in draft_dists]
-        )
+        step = target_pb2.VerifyStep(draft_token_ids=draft_tokens, draft_distributions=[wire_form(d) for d in draft_dists])
         response, sent, received = await self.exchange(target_pb2.VerifyRequest(step=step), parent)
         result = response.result
         return Verdict(
@@ -128,6 +132,7 @@ class GrpcTargetSession(StreamSession):
             batch_size=result.timing.batch_size,
             batch_tokens=result.timing.batch_tokens,
             queue_us=result.timing.queue_us,
+            handling_us=result.timing.handling_us,
         )
 
 
@@ -159,7 +164,7 @@ class GrpcDraftSession(StreamSession):
         proposal = response.proposal
         return Proposal(
             token_ids=list(proposal.token_ids),
-            distributions=[distribution_from_proto(d) for d in proposal.distributions],
+            distributions=list(proposal.distributions),  # passed on to the target as received
             compute_us=proposal.timing.compute_us,
             sync_us=proposal.timing.sync_us,
             bytes_sent=sent,
@@ -167,6 +172,7 @@ class GrpcDraftSession(StreamSession):
             assumed_token=proposal.assumed_token_id if proposal.HasField("assumed_token_id") else None,
             batch_size=proposal.timing.batch_size,
             queue_us=proposal.timing.queue_us,
+            handling_us=proposal.timing.handling_us,
         )
 
 

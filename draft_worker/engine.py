@@ -10,9 +10,10 @@ import torch
 
 from opentelemetry.context import Context
 
-from common.batched_forward import use_ragged_attention
+from common.batched_forward import as_sampling_input, use_ragged_attention
 from common.batcher import run_alone
 from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
+from common.config import DraftWorkerConfig
 from common.cost_curve import measure_forward_costs
 from common.errors import FailedPrecondition, InvalidArgument
 from common.models import LoadedModel
@@ -31,7 +32,6 @@ from common.worker_metrics import WorkerMetrics
 from common.validation import check_prompt, check_sampling, check_token_ids
 from draft_worker.ngram import find_continuation
 
-DEFAULT_MAX_Q_ENTRIES = 64
 CERTAIN = torch.ones(1)
 
 
@@ -84,7 +84,7 @@ class ModelDraftSession:
             self.proposal.assumed_token = token
             self.guessing = False
         else:
-            q = truncate_probs(logits_to_probs(logits, self.params), self.max_q_entries)
+            q = truncate_probs(logits_to_probs(as_sampling_input(logits), self.params), self.max_q_entries)
             token = sample_sparse(q, self.generator)
             self.proposal.token_ids.append(token)
             self.proposal.distributions.append(q)
@@ -154,8 +154,8 @@ class DraftEngine:
         loaded: LoadedModel | None,
         name: str,
         ngram: tuple[int, int] = (3, 1),
-        max_sessions: int = 64,
-        default_max_q_entries: int = DEFAULT_MAX_Q_ENTRIES,
+        max_sessions: int = DraftWorkerConfig.max_sessions,
+        default_max_q_entries: int = DraftWorkerConfig.max_q_entries,
         calibrate: bool = True,
     ):
         self.loaded = loaded

@@ -2,6 +2,7 @@
 
 import grpc
 
+from common.config import DraftWorkerConfig
 from common.models import load_model
 from common.protocol import distribution_to_proto, sampling_from_proto, timing_to_proto
 from common.server import ServerOptions, SessionStreamServicer, serve_worker, start_serving
@@ -31,16 +32,17 @@ class DraftServicer(SessionStreamServicer):
 
     async def step(self, handle, request):
         step = request.step
-        proposal = await self.batcher.submit(
-            DraftCall(
-                handle,
-                step.num_accepted,
-                list(step.committed_token_ids),
-                step.num_tokens,
-                step.assume_accepted,
-                self.parent(request),
-            )
+        call = DraftCall(
+            handle, step.num_accepted, list(step.committed_token_ids), step.num_tokens, step.assume_accepted, self.parent(request)
         )
+        if self.engine.loaded is None:
+            # Prompt lookup takes microseconds: less than handing the call to the compute thread and back, and
+            # there is no forward pass to share with other sessions.
+            proposal = self.engine.step_batch([call])[0]
+            if isinstance(proposal, Exception):
+                raise proposal
+        else:
+            proposal = await self.batcher.submit(call)
         return draft_pb2.DraftResponse(
             proposal=draft_pb2.DraftProposal(
                 token_ids=proposal.token_ids,
@@ -65,33 +67,16 @@ class DraftServicer(SessionStreamServicer):
             yield response
 
 
-def load_draft_engine(
-    model: str,
-    device: str = "cpu",
-    dtype: str = "auto",
-    max_sessions: int = 64,
-    max_q_entries: int = 64,
-    linear: str = "auto",
-) -> DraftEngine:
-    if is_ngram(model):
-        return DraftEngine(None, model, ngram=parse_ngram(model), max_sessions=max_sessions, default_max_q_entries=max_q_entries)
-    loaded = load_model(model, device, dtype, linear)
-    return DraftEngine(loaded, model, max_sessions=max_sessions, default_max_q_entries=max_q_entries)
+def load_draft_engine(config: DraftWorkerConfig) -> DraftEngine:
+    limits = dict(max_sessions=config.max_sessions, default_max_q_entries=config.max_q_entries)
+    if is_ngram(config.model):
+        return DraftEngine(None, config.model, ngram=parse_ngram(config.model), **limits)
+    return DraftEngine(load_model(config.model, config.device, config.dtype, config.linear), config.model, **limits)
 
 
-async def serve(
-    model: str,
-    options: ServerOptions,
-    device: str = "cpu",
-    dtype: str = "auto",
-    max_sessions: int = 64,
-    max_q_entries: int = 64,
-    linear: str = "auto",
-) -> None:
+async def serve(config: DraftWorkerConfig, options: ServerOptions) -> None:
     servicer = DraftServicer(idle_timeout=options.session_idle_timeout)
-    await serve_worker(
-        SERVICE, servicer, lambda: load_draft_engine(model, device, dtype, max_sessions, max_q_entries, linear), model, options
-    )
+    await serve_worker(SERVICE, servicer, lambda: load_draft_engine(config), config.model, options)
 
 
 async def start_draft_server(engine: DraftEngine, options: ServerOptions | None = None) -> tuple[grpc.aio.Server, int]:

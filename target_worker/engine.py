@@ -12,9 +12,10 @@ import torch
 
 from opentelemetry.context import Context
 
-from common.batched_forward import use_ragged_attention
+from common.batched_forward import as_sampling_input, use_ragged_attention
 from common.batcher import run_alone
 from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
+from common.config import WorkerConfig
 from common.cost_curve import cheapest_rows, measure_forward_costs
 from common.errors import FailedPrecondition, InvalidArgument
 from common.models import LoadedModel
@@ -22,6 +23,7 @@ from common.rounds import Verdict
 from common.sampling import (
     SamplingParams,
     SparseDistribution,
+    accept_while_argmax,
     logits_to_probs,
     make_generator,
     top_entries,
@@ -73,7 +75,7 @@ class SessionOpened:
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, max_sessions: int = 64, calibrate: bool = True):
+    def __init__(self, loaded: LoadedModel, max_sessions: int = WorkerConfig.max_sessions, calibrate: bool = True):
         self.loaded = loaded
         use_ragged_attention(loaded.model)
         self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions)
@@ -212,10 +214,17 @@ class TargetEngine:
         start = time.perf_counter()
         gamma = len(draft_tokens)
         try:
-            probs = logits_to_probs(logits, session.params)
-            num_accepted, next_token = verify_draft(probs, draft_tokens, call.draft_dists, session.params, session.generator)
-            draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
-            distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
+            if session.params.greedy and not session.num_p_entries:
+                # p is one-hot at the argmax: the verdict needs only the argmax, computed where the logits are.
+                argmax = logits.argmax(dim=-1).tolist()
+                num_accepted, next_token = accept_while_argmax(argmax, draft_tokens)
+                draft_token_probs = [float(a == x) for a, x in zip(argmax, draft_tokens, strict=False)]
+                distributions = []
+            else:
+                probs = logits_to_probs(as_sampling_input(logits), session.params)
+                num_accepted, next_token = verify_draft(probs, draft_tokens, call.draft_dists, session.params, session.generator)
+                draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
+                distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
             span.set_attributes({"specdec.accepted": num_accepted, "specdec.rollback": gamma - num_accepted})
         finally:
             span.end()

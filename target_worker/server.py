@@ -2,6 +2,7 @@
 
 import grpc
 
+from common.config import WorkerConfig
 from common.models import load_model
 from common.protocol import distribution_from_proto, distribution_to_proto, sampling_from_proto, timing_to_proto
 from common.server import ServerOptions, SessionStreamServicer, serve_worker, start_serving
@@ -61,13 +62,13 @@ class TargetServicer(SessionStreamServicer):
             yield response
 
 
-async def serve(
-    model: str, options: ServerOptions, device: str = "cpu", dtype: str = "auto", max_sessions: int = 64, linear: str = "auto"
-) -> None:
+async def serve(config: WorkerConfig, options: ServerOptions) -> None:
     servicer = TargetServicer(idle_timeout=options.session_idle_timeout)
-    await serve_worker(
-        SERVICE, servicer, lambda: TargetEngine(load_model(model, device, dtype, linear), max_sessions), model, options
-    )
+
+    def load_engine() -> TargetEngine:
+        return TargetEngine(load_model(config.model, config.device, config.dtype, config.linear), config.max_sessions)
+
+    await serve_worker(SERVICE, servicer, load_engine, config.model, options)
 
 
 async def start_target_server(engine: TargetEngine, options: ServerOptions | None = None) -> tuple[grpc.aio.Server, int]:

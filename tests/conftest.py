@@ -127,7 +127,7 @@ def run_quick_bench(output_root: pathlib.Path, suite: str, *extra: str, max_new_
     """`specdec bench --suite SUITE --quick` as a user runs it, on the tiny pair (target TARGET, draft
     TARGET,noise=0.3); returns the folder of its results."""
     command = [
-        sys.executable, "-m", "common.cli", "bench", "--suite", suite, "--quick", "--name", suite,
+        sys.executable, "-m", "cli", "bench", "--suite", suite, "--quick", "--name", suite,
         "--output-root", str(output_root), "--target-model", TARGET, "--draft-model", draft_spec(0.3),
         "--max-new-tokens", str(max_new_tokens), *extra,
     ]  # fmt: skip

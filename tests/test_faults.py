@@ -121,7 +121,7 @@ def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(cluster):
 
 def test_coordinator_starts_and_serves_while_the_draft_worker_is_down(tmp_path):
     target_port = free_port()
-    serve = [sys.executable, "-m", "common.cli", "serve"]
+    serve = [sys.executable, "-m", "cli", "serve"]
     target = subprocess.Popen([*serve, "target", "--model", TARGET, "--port", str(target_port)], stderr=subprocess.DEVNULL)
     port = free_port()
     coordinator = subprocess.Popen(

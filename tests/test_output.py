@@ -1,5 +1,8 @@
 """Stop conditions and streaming: EOS, stop strings, max_new_tokens, and held-back text."""
 
+import pytest
+
+from common.models import load_tokenizer
 from common.tokenizer import ByteTokenizer
 from coordinator.output import OutputTracker, held_back_length
 from specdec.v1 import generation_pb2
@@ -50,3 +53,44 @@ def test_incomplete_utf8_is_not_streamed_until_complete():
     euro = ids("€")
     assert tracker.add(euro[:2]).text == ""
     assert tracker.add(euro[2:]).text == "€"
+
+
+MULTI_BYTE = "Größe — 日本語のテキスト, emoji 🙂🙃 and a 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 tail: ½ ≠ ∞.\n" * 3
+
+
+def streamed_in_rounds(tracker: OutputTracker, token_ids: list[int], sizes: list[int]) -> str:
+    """Feeds token_ids in rounds of the given sizes (cycled); returns the concatenated deltas."""
+    text, i, r = "", 0, 0
+    while i < len(token_ids) and not tracker.finished:
+        size = sizes[r % len(sizes)]
+        text += tracker.add(token_ids[i : i + size]).text
+        i, r = i + size, r + 1
+    return text
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    return load_tokenizer("smollm2-135m")
+
+
+def test_incremental_detokenising_matches_full_decoding_on_multi_byte_text(smollm2_tokenizer):
+    for tokenizer in (TOKENIZER, smollm2_tokenizer):
+        token_ids = tokenizer.encode(MULTI_BYTE)
+        for sizes in ([1], [2, 3], [5, 1, 4], [len(token_ids)]):
+            tracker = OutputTracker(tokenizer, max_new_tokens=len(token_ids))
+            streamed = streamed_in_rounds(tracker, token_ids, sizes)
+            assert tracker.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+            assert streamed == tracker.text == tokenizer.decode(token_ids) == MULTI_BYTE
+
+
+def test_stop_string_split_across_rounds_is_found_and_never_streamed(smollm2_tokenizer):
+    text = "naïve café — the answer is 42 ⟨STOP⟩ and more text after it"
+    expected = text[: text.index("⟨STOP⟩")]
+    for tokenizer in (TOKENIZER, smollm2_tokenizer):
+        token_ids = tokenizer.encode(text)
+        for first in range(1, len(token_ids)):
+            tracker = OutputTracker(tokenizer, max_new_tokens=1000, stop=["⟨STOP⟩", "never"])
+            streamed = tracker.add(token_ids[:first]).text
+            streamed += streamed_in_rounds(tracker, token_ids[first:], [1, 3])
+            assert tracker.finish_reason == generation_pb2.FINISH_REASON_STOP, first
+            assert streamed == tracker.text == expected, first

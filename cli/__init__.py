@@ -1,0 +1,1 @@
+"""The `specdec` command line; it imports the services, none of them imports it."""

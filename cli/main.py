@@ -1,0 +1,170 @@
+"""The `specdec` command: serve one service, bring the local cluster up, generate, benchmark, or run the demo."""
+
+import argparse
+import json
+import os
+import sys
+
+from cli.serve import add_serve_parser, run_serve
+from common.config import DEFAULT_PORTS, DEFAULT_TARGET_MODEL, WorkerConfig
+
+COORDINATOR_ADDRESS = f"localhost:{DEFAULT_PORTS['coordinator']}"
+
+
+def add_generate_parser(commands) -> None:
+    generate = commands.add_parser("generate", help="send one request to a coordinator and stream the answer")
+    generate.add_argument("prompt")
+    generate.add_argument("--endpoint", default=COORDINATOR_ADDRESS, help="the coordinator (default: %(default)s)")
+    generate.add_argument("--max-new-tokens", type=int, help="default: the coordinator's --default-max-new-tokens")
+    generate.add_argument("--temperature", type=float)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--top-k", type=int)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--gamma", type=int, help="draft tokens per round; -1 auto, 0 turns speculation off")
+    generate.add_argument("--overlap", action=argparse.BooleanOptionalAction, help="draft while the target verifies")
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    generate.add_argument("--explain", action="store_true", help="after the text, print where each round's time went")
+    generate.add_argument("--token", default=os.environ.get("SPECDEC_AUTH_TOKEN"), help="bearer token (env SPECDEC_AUTH_TOKEN)")
+    generate.add_argument(
+        "--tls-ca", default=os.environ.get("SPECDEC_TLS_CA"), help="CA of the coordinator's certificate (enables TLS)"
+    )
+    generate.add_argument("--timeout", type=float, help="seconds before the request is abandoned")
+
+
+def add_bench_parser(commands) -> None:
+    """The suites' own configs (bench.runner.BenchConfig, bench.performance.PerformanceConfig, bench.pair.PairConfig)
+    hold their defaults: a flag left out is not passed on."""
+    bench = commands.add_parser("bench", help="measure speedup against baselines and the analytic model; writes a report")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few prompts, one repeat, at most 32 new tokens (speedup: gamma 1/2/4, under 3 minutes on the default models)",
+    )
+    bench.add_argument("--name", help="default: quick or full, with the suite and the date")
+    bench.add_argument("--target-model", help="default: smollm2-135m (speedup, performance), qwen2.5-coder-1.5b (pair)")
+    bench.add_argument("--draft-model", help="default: the best draft the project has for the target")
+    bench.add_argument("--device", help="default: the suite's")
+    bench.add_argument("--max-new-tokens", type=int, help="most new tokens per request (default: the suite's)")
+    bench.add_argument("--repeats", type=int, help="counted repeats after one warm-up (default: the suite's)")
+    bench.add_argument("--output-root", help="results go to OUTPUT_ROOT/NAME (default: the suite's)")
+    bench.add_argument(
+        "--suite",
+        choices=["speedup", "performance", "pair"],
+        default="speedup",
+        help="speedup: baselines, gamma and temperature sweeps, the analytic model; performance: schedules (auto, "
+        "heuristic, fixed), concurrency sweep, overlap on separate cores; pair: a real draft/target pair against "
+        "target-only, HF generate and HF assisted, with cost curves before/after packing and memory peaks",
+    )
+    bench.add_argument("--overlap-draft-model", help="performance: the model draft of the overlap runs (default: the suite's)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Exactly lossless speculative decoding over gRPC")
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(commands)
+    up = commands.add_parser("up", help="start target, draft and coordinator locally; Ctrl-C stops all three")
+    up.add_argument("--target-model", default=DEFAULT_TARGET_MODEL, help="(default: %(default)s)")
+    up.add_argument("--draft-model", help="default: the best draft the project has for the target (ngram for smollm2-135m)")
+    up.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"], help="the coordinator's (default: %(default)s)")
+    up.add_argument("--device", default=WorkerConfig.device, help="both workers' (default: %(default)s)")
+    add_generate_parser(commands)
+    commands.add_parser("demo", help="bring the cluster up, stream a few answers, report acceptance and speedup")
+    add_bench_parser(commands)
+    health = commands.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
+    health.add_argument("address", nargs="?", default=COORDINATOR_ADDRESS)
+    return parser
+
+
+def run_generate(args) -> int:
+    import grpc
+
+    from coordinator.client import GenerationClient, response_to_dict
+    from coordinator.explain import explain_table
+
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        num_speculative_tokens=args.gamma,
+        overlap=args.overlap,
+        include_rounds=args.explain,
+    )
+    try:
+        with GenerationClient(args.endpoint, timeout=args.timeout, token=args.token, tls_ca=args.tls_ca) as client:
+            if args.json:
+                response = client.generate(prompt, **options)
+                print(json.dumps(response_to_dict(response)))
+            else:
+                for message in client.stream(prompt, **options):
+                    if message.HasField("delta"):
+                        print(message.delta.text, end="", flush=True)
+                    else:
+                        response = message.final
+                print()
+            if args.explain:
+                print(explain_table(response), file=sys.stderr if args.json else sys.stdout)
+    except grpc.RpcError as error:
+        print(f"specdec generate: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_bench_command(args) -> int:
+    import time
+
+    name = args.name or f"{'quick' if args.quick else 'full'}-{args.suite}-{time.strftime('%Y%m%d-%H%M%S')}"
+    given = {
+        key: getattr(args, key)
+        for key in ("target_model", "draft_model", "device", "max_new_tokens", "repeats", "output_root")
+        if getattr(args, key) is not None
+    }
+    if args.suite == "pair":
+        from bench.pair import PairConfig, run_pair
+
+        out = run_pair(PairConfig(name=name, quick=args.quick, **given))
+    elif args.suite == "performance":
+        from bench.performance import PerformanceConfig, run_performance
+
+        if args.overlap_draft_model is not None:
+            given["overlap_draft_model"] = args.overlap_draft_model
+        out = run_performance(PerformanceConfig(name=name, quick=args.quick, **given))
+    else:
+        from bench.runner import BenchConfig, run_bench
+
+        out = run_bench(BenchConfig(name=name, quick=args.quick, **given))
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "up":
+        from coordinator.cluster import up
+
+        return up(args.target_model, args.draft_model, args.port, args.device)
+    if args.command == "generate":
+        return run_generate(args)
+    if args.command == "bench":
+        return run_bench_command(args)
+    if args.command == "health":
+        from coordinator.cluster import is_serving
+
+        return 0 if is_serving(args.address) else 1
+    from coordinator.demo import run_demo
+
+    return run_demo()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""`specdec serve ROLE`: one service in this process. Its flags are derived from the services' settings classes
+(common.config.add_arguments): every default is the one written in those classes."""
+
+import argparse
+import asyncio
+import os
+import sys
+
+from common.config import DEFAULT_PORTS, DraftWorkerConfig, ServerOptions, WorkerConfig, add_arguments, from_arguments
+from coordinator.config import CoordinatorConfig, CoordinatorServerConfig
+
+# The settings classes each role's flags come from; ServerOptions' flags are every role's.
+ROLE_SETTINGS = {
+    "target": (WorkerConfig,),
+    "draft": (DraftWorkerConfig,),
+    "coordinator": (CoordinatorServerConfig, CoordinatorConfig),
+}
+ROLE_HELP = {
+    "target": "the target worker: verifies drafted tokens with the large model",
+    "draft": "the draft worker: proposes tokens with a small model or prompt lookup",
+    "coordinator": "GenerationService, the client API: runs the speculation rounds over both workers",
+}
+
+
+def add_serve_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="run one service")
+    roles = serve.add_subparsers(dest="role", required=True, metavar="{target,draft,coordinator}")
+    for role, settings in ROLE_SETTINGS.items():
+        parser = roles.add_parser(role, help=ROLE_HELP[role], description=ROLE_HELP[role])
+        # Idle sessions are the workers'; the coordinator's requests are bounded by their own deadlines.
+        skip = ("session_idle_timeout",) if role == "coordinator" else ()
+        add_arguments(parser, ServerOptions, skip=skip, defaults={"port": DEFAULT_PORTS[role]})
+        for cls in settings:
+            add_arguments(parser, cls)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from common.server import configure_logging
+    from common.telemetry import setup_telemetry, shutdown_telemetry
+
+    configure_logging(args.log_level)
+    options = from_arguments(args, ServerOptions)
+    setup_telemetry(f"specdec-{args.role}", options.metrics_port)
+    try:
+        return serve_role(args, options)
+    finally:
+        shutdown_telemetry()
+
+
+def serve_role(args: argparse.Namespace, options: ServerOptions) -> int:
+    if args.role == "target":
+        from target_worker.server import serve
+
+        config = from_arguments(args, WorkerConfig)
+        limit_compute(config.threads, config.cpus)
+        asyncio.run(serve(config, options))
+    elif args.role == "draft":
+        from draft_worker.server import serve
+
+        config = from_arguments(args, DraftWorkerConfig)
+        limit_compute(config.threads, config.cpus)
+        asyncio.run(serve(config, options))
+    else:
+        from coordinator.engine import IncompatibleWorkers
+        from coordinator.server import serve
+
+        settings = from_arguments(args, CoordinatorServerConfig)
+        if not settings.target:
+            print("specdec serve coordinator: --target host:port is required", file=sys.stderr)
+            return 2
+        try:
+            asyncio.run(serve(settings, options, from_arguments(args, CoordinatorConfig)))
+        except IncompatibleWorkers as error:
+            print(f"specdec coordinator refuses to start: {error}", file=sys.stderr)
+            return 3
+    return 0
+
+
+def parse_cpus(spec: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def limit_compute(threads: int | None, cpus: str | None) -> None:
+    """Keeps a worker on its own cores: co-located workers otherwise slow each other down (PyTorch's OpenMP threads
+    spin while they wait for work, on every core)."""
+    import torch
+
+    if cpus:
+        os.sched_setaffinity(0, parse_cpus(cpus))
+    if threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,180 @@
+"""Settings shared by the services, and the one place their defaults are written.
+
+Each setting is a dataclass field made by setting(): its default and its help text. The command line is derived
+from these classes (add_arguments, from_arguments): a flag --max-sessions exists because WorkerConfig has a field
+max_sessions, and its default is that field's default. This module imports no service: the services import it.
+"""
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import MISSING, dataclass
+
+from common.tls import TlsFiles
+
+DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
+DEFAULT_TARGET_MODEL = "smollm2-135m"
+DEFAULT_DRAFT_MODEL = "ngram"  # prompt lookup: needs no model files and suits any target
+
+
+def setting(
+    default=None,
+    help: str = "",
+    *,
+    flags: tuple[str, ...] | None = None,
+    env: str | None = None,
+    group: tuple[str, str] | None = None,
+    parts: dict[str, tuple[str, str | None]] | None = None,
+    cli: bool = True,
+    **argparse_options,
+):
+    """A dataclass field whose default and help also make a command-line flag.
+
+    flags: option strings (default: --field-name); env: an environment variable that overrides the default on the
+    command line; group: (title, description) of the --help section it is listed in; parts: for a field holding a
+    small dataclass (TlsFiles), one flag per part, {part: (help, env)}, named --field-part; cli: False for a
+    setting that is no flag; argparse_options: passed to add_argument (choices, type, ...).
+    """
+    metadata = {
+        "help": help,
+        "flags": flags,
+        "env": env,
+        "group": group,
+        "parts": parts,
+        "cli": cli,
+        "argparse": argparse_options,
+    }
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def default_of(field: dataclasses.Field):
+    if field.default is not MISSING:
+        return field.default
+    if field.default_factory is not MISSING:
+        return field.default_factory()
+    return None
+
+
+def value_type(annotation):
+    """int for `int` or `int | None`; None for str (argparse's own) and anything it cannot convert."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation if annotation in (int, float) else None
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def cli_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", False)]
+
+
+def argument_group(parser: argparse.ArgumentParser, title: str, description: str):
+    """The parser's --help section of that title, created on first use (settings of several classes share one)."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title, description)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = (), defaults: dict | None = None) -> None:
+    """Adds one flag per setting of the dataclass cls (see setting()); defaults: per-command defaults that replace
+    the field's (e.g. the port of each role)."""
+    defaults = defaults or {}
+    for f in cli_fields(cls):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        target = parser
+        if meta["group"]:
+            target = argument_group(parser, *meta["group"])
+        if meta["parts"]:
+            base = defaults.get(f.name, default_of(f))
+            for part, (help_text, env) in meta["parts"].items():
+                default = getattr(base, part)
+                if env:
+                    default = os.environ.get(env, default)
+                    help_text = f"{help_text} (env {env})"
+                target.add_argument(flag_name(f"{f.name}_{part}"), dest=f"{f.name}_{part}", default=default, help=help_text)
+            continue
+        default = defaults.get(f.name, default_of(f))
+        help_text = meta["help"]
+        if meta["env"]:
+            default = os.environ.get(meta["env"], default)
+            help_text = f"{help_text} (env {meta['env']})"
+        elif default is not None and default is not False and default != "":
+            help_text = f"{help_text} (default: %(default)s)"
+        options = dict(meta["argparse"])
+        if f.type is bool:
+            options.setdefault("action", "store_true" if default is False else argparse.BooleanOptionalAction)
+        elif value_type(f.type) and "choices" not in options:
+            options.setdefault("type", value_type(f.type))
+        flags = meta["flags"] or (flag_name(f.name),)
+        if options.get("action") is None and "choices" not in options:
+            options.setdefault("metavar", flags[0].removeprefix("--").replace("-", "_").upper())
+        target.add_argument(*flags, dest=f.name, default=default, help=help_text, **options)
+
+
+def from_arguments(args: argparse.Namespace, cls, **overrides):
+    """An instance of the dataclass cls from parsed flags made by add_arguments; settings without a flag (or
+    skipped) keep their defaults unless overrides gives them."""
+    values = {}
+    for f in cli_fields(cls):
+        if f.metadata["parts"]:
+            names = {part: f"{f.name}_{part}" for part in f.metadata["parts"]}
+            if all(hasattr(args, name) for name in names.values()):
+                values[f.name] = type(default_of(f))(**{part: getattr(args, name) for part, name in names.items()})
+        elif hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    return cls(**{**values, **overrides})
+
+
+TLS_GROUP = ("TLS", "PEM files; a server given --tls-ca requires client certificates signed by it (mutual TLS)")
+
+
+@dataclass
+class ServerOptions:
+    """What every specdec server is given: where it listens, TLS, shutdown and (workers) idle sessions."""
+
+    port: int = setting(0, "port to listen on (0: any free port)")
+    host: str = setting("0.0.0.0", "address to listen on")
+    tls: TlsFiles = setting(
+        TlsFiles(),
+        group=TLS_GROUP,
+        parts={
+            "cert": ("this server's certificate", "SPECDEC_TLS_CERT"),
+            "key": ("its private key", "SPECDEC_TLS_KEY"),
+            "ca": ("CA that client certificates must chain to", "SPECDEC_TLS_CA"),
+        },
+    )
+    grace_period: float = setting(30.0, "on SIGTERM, seconds in-flight calls get to finish")
+    session_idle_timeout: float = setting(600.0, "workers: close a session stream silent this long (s)")
+    metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (/metrics)")
+
+
+@dataclass
+class WorkerConfig:
+    """A target worker's settings (a draft worker's add max_q_entries)."""
+
+    model: str = setting(DEFAULT_TARGET_MODEL, "HF id or path, smollm2-135m, or tiny-random:...")
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
+    dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    linear: str = setting(
+        "auto",
+        "linear layers on weights packed once for oneDNN (auto: on a CPU with float32) or transformers' own",
+        choices=["auto", "packed", "eager"],
+    )
+    max_sessions: int = setting(64, "most sessions held at once")
+    threads: int | None = setting(None, "compute threads (torch.set_num_threads); default: PyTorch's choice")
+    cpus: str | None = setting(None, "pin the process to these CPUs, e.g. 0 or 0-3 or 0,2")
+
+
+@dataclass
+class DraftWorkerConfig(WorkerConfig):
+    model: str = setting(
+        DEFAULT_DRAFT_MODEL, "HF id or path, smollm2-135m, tiny-random:..., or ngram[:max=3,min=1] (prompt lookup)"
+    )
+    max_q_entries: int = setting(64, "most entries of each q (K) when the session does not say")
