@@ -150,6 +150,11 @@ class ServerOptions:
             "ca": ("CA that client certificates must chain to", "SPECDEC_TLS_CA"),
         },
     )
+    unix_socket: str | None = setting(
+        None,
+        "also listen on this Unix socket (a path); a co-located coordinator reaches the service at unix:PATH without "
+        "the TCP stack, a tenth of a millisecond less per round trip on loopback",
+    )
     grace_period: float = setting(30.0, "on SIGTERM, seconds in-flight calls get to finish")
     session_idle_timeout: float = setting(600.0, "workers: close a session stream silent this long (s)")
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (/metrics)")

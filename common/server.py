@@ -71,6 +71,11 @@ async def create_server(
         bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {address}")
+    if options.unix_socket:
+        local = f"unix:{options.unix_socket}"
+        credentials = server_credentials(options.tls) if options.tls.enabled else None
+        if not (server.add_secure_port(local, credentials) if credentials else server.add_insecure_port(local)):
+            raise OSError(f"could not bind {local}")
     return server, health_servicer, bound
 
 

@@ -72,7 +72,8 @@ def setup_telemetry(default_service_name: str, metrics_port: int | None = None) 
 
         start_http_server(metrics_port)
         readers.append(PrometheusMetricReader())
-    metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
+    if readers:  # else the API's no-op meter: measurements nobody reads would cost every round their recording
+        metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
     instrument_grpc()
 
 

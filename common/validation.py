@@ -34,9 +34,10 @@ def check_prompt(prompt: list[int], vocab_size: int, max_context: int, field: st
 
 
 def check_distribution(dist: SparseDistribution, token: int, vocab_size: int, field: str) -> None:
+    """dist: a SparseDistribution, or anything with token_ids and probs sequences (a q as it came off the wire)."""
     # On Python lists: a few entries each, and checked for every drafted token of every round, where tensor ops
     # would cost tens of microseconds apiece.
-    token_ids, probs = dist.token_ids.tolist(), dist.probs.tolist()
+    token_ids, probs = as_list(dist.token_ids), as_list(dist.probs)
     if not token_ids or len(token_ids) != len(probs):
         raise InvalidArgument(field, "token_ids and probs must be non-empty and of equal length")
     check_token_ids(token_ids, vocab_size, f"{field}.token_ids")
@@ -49,3 +50,7 @@ def check_distribution(dist: SparseDistribution, token: int, vocab_size: int, fi
         raise InvalidArgument(f"{field}.probs", f"must sum to 1, got {mass:.6f}")
     if token not in token_ids or probs[token_ids.index(token)] <= 0:
         raise InvalidArgument(field, f"drafted token {token} has no probability under its own distribution")
+
+
+def as_list(values) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)

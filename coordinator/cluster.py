@@ -2,10 +2,12 @@
 
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -59,6 +61,7 @@ class Cluster:
     processes: list[subprocess.Popen] = field(default_factory=list)
     by_role: dict[str, subprocess.Popen] = field(default_factory=dict)
     commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    socket_dir: str | None = None  # the workers' Unix sockets
 
     @property
     def address(self) -> str:
@@ -92,12 +95,17 @@ class Cluster:
         draft_model = self.draft_model or default_draft_for(self.target_model)
         target_port, draft_port = free_port(), free_port()
         self.target_address, self.draft_address = f"localhost:{target_port}", f"localhost:{draft_port}"
+        # The coordinator reaches the workers over Unix sockets: same machine, no TCP stack on every round trip.
+        self.socket_dir = tempfile.mkdtemp(prefix="specdec-")
+        target_socket, draft_socket = f"{self.socket_dir}/target.sock", f"{self.socket_dir}/draft.sock"
         self.spawn(
             "target",
             "--model",
             self.target_model,
             "--port",
             str(target_port),
+            "--unix-socket",
+            target_socket,
             "--device",
             self.device,
             *self.extra_worker_args,
@@ -109,6 +117,8 @@ class Cluster:
             draft_model,
             "--port",
             str(draft_port),
+            "--unix-socket",
+            draft_socket,
             "--device",
             self.device,
             *self.extra_worker_args,
@@ -119,9 +129,9 @@ class Cluster:
             "--port",
             str(self.port),
             "--target",
-            f"localhost:{target_port}",
+            f"unix:{target_socket}",
             "--draft",
-            f"localhost:{draft_port}",
+            f"unix:{draft_socket}",
             *self.extra_coordinator_args,
         )
         deadline = time.monotonic() + timeout
@@ -146,6 +156,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 process.kill()
         self.processes.clear()
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def __enter__(self) -> "Cluster":
         self.start()

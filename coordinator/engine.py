@@ -426,8 +426,8 @@ class RequestRun:
                     policy.observe_overhead(stats.time_split.overhead_us)
                     rounds.append(stats)
                     totals.add(stats.time_split)
-                    round_span.set_attributes(stats.attributes())
-                    self.engine.metrics.record_round(stats, self.params.operation, self.engine.target.model_name)
+                    if round_span.is_recording():
+                        round_span.set_attributes(stats.attributes())
                 finally:
                     round_span.end()
         finally:

@@ -104,9 +104,25 @@ class CostModelPolicy:
     overhead_ms: float | None = None  # per round, network and coordinator; None until first seen
     other_sessions: int = 0  # sessions batched with this one in the target's last forward pass
 
+    # The curve's look-ups by token count, computed once per count: choose() asks for every gamma every round.
+    rows_for: dict[int, int] = field(default_factory=dict, repr=False)
+    cost_of: dict[int, float] = field(default_factory=dict, repr=False)
+
+    def target_rows(self, tokens: int) -> int:
+        rows = self.rows_for.get(tokens)
+        if rows is None:
+            rows = self.rows_for[tokens] = cheapest_rows(self.target_costs, tokens)
+        return rows
+
+    def target_ms(self, rows: int) -> float:
+        cost = self.cost_of.get(rows)
+        if cost is None:
+            cost = self.cost_of[rows] = cost_at(self.target_costs, rows)
+        return cost
+
     def verify_ms(self, tokens: int) -> float:
-        rows = cheapest_rows(self.target_costs, tokens * (1 + self.other_sessions))
-        return self.scale_at(rows) * cost_at(self.target_costs, rows)
+        rows = self.target_rows(tokens * (1 + self.other_sessions))
+        return self.scale_at(rows) * self.target_ms(rows)
 
     def scale_at(self, rows: int) -> float:
         """The correction measured at this row count, else the one measured over all rounds: the calibration's
@@ -150,8 +166,8 @@ class CostModelPolicy:
         if drafted and self.shared_acceptance is not None:
             self.shared_acceptance.update(drafted, accepted)
         self.other_sessions = max(0, batch_size - 1)
-        rows = cheapest_rows(self.target_costs, max(batch_tokens, verified_tokens))
-        predicted = cost_at(self.target_costs, rows)
+        rows = self.target_rows(max(batch_tokens, verified_tokens))
+        predicted = self.target_ms(rows)
         self.target_scale.update(verify_us / 1e3, predicted)
         self.row_scales.setdefault(rows, Scale(self.target_scale.value)).update(verify_us / 1e3, predicted)
 

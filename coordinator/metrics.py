@@ -1,7 +1,8 @@
 """The coordinator's OpenTelemetry metrics: GenAI server metrics and what speculation did (names in README)."""
 
+from collections import Counter
+
 from common.telemetry import meter
-from coordinator.types import RoundStats
 
 # Bucket boundaries in seconds for latencies, as the GenAI semantic conventions advise.
 DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
@@ -73,22 +74,9 @@ class CoordinatorMetrics:
     def attributes(operation: str, model: str) -> dict:
         return {"gen_ai.operation.name": operation, "gen_ai.request.model": model, "gen_ai.provider.name": "specdec"}
 
-    def record_round(self, stats: RoundStats, operation: str, model: str) -> None:
-        """A round's speculation counts, as it ends (the same record its span and the response carry)."""
-        attributes = self.attributes(operation, model)
-        self.rounds.add(1, attributes)
-        self.tokens_per_round.record(stats.committed, attributes)
-        if not stats.drafted:
-            return
-        self.drafted.add(stats.drafted, attributes)
-        self.accepted.add(stats.accepted, attributes)
-        for position in range(1, stats.drafted + 1):
-            position_attributes = {**attributes, "specdec.position": position}
-            self.drafted_by_position.add(1, position_attributes)
-            if position <= stats.accepted:
-                self.accepted_by_position.add(1, position_attributes)
-
     def record_request(self, params, result, model: str, first_token_at: float | None, started: float, finished: float) -> None:
+        """The request's latencies and token counts, and what each of its rounds did (its RoundStats records, which
+        its spans and response carry too): recorded once the request ends, off the path of its rounds."""
         attributes = self.attributes(params.operation, model)
         duration = finished - started
         self.request_duration.record(duration, attributes)
@@ -98,3 +86,15 @@ class CoordinatorMetrics:
                 self.time_per_output_token.record((finished - first_token_at) / (len(result.token_ids) - 1), attributes)
         self.token_usage.record(result.prompt_tokens, {**attributes, "gen_ai.token.type": "input"})
         self.token_usage.record(len(result.token_ids), {**attributes, "gen_ai.token.type": "output"})
+        self.rounds.add(len(result.rounds), attributes)
+        self.drafted.add(result.drafted_tokens, attributes)
+        self.accepted.add(result.accepted_tokens, attributes)
+        drafted_at, accepted_at = Counter(), Counter()
+        for stats in result.rounds:
+            self.tokens_per_round.record(stats.committed, attributes)
+            drafted_at.update(range(1, stats.drafted + 1))
+            accepted_at.update(range(1, stats.accepted + 1))
+        for position, count in sorted(drafted_at.items()):
+            position_attributes = {**attributes, "specdec.position": position}
+            self.drafted_by_position.add(count, position_attributes)
+            self.accepted_by_position.add(accepted_at[position], position_attributes)

@@ -3,6 +3,7 @@
 The engine knows nothing of gRPC; draft_worker.server translates protobuf to calls on it.
 """
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from common.sessions import SessionRegistry
 from common.telemetry import tracer
 from common.worker_metrics import WorkerMetrics
 from common.validation import check_prompt, check_sampling, check_token_ids
-from draft_worker.ngram import find_continuation
+from draft_worker.ngram import NgramIndex
 
 CERTAIN = torch.ones(1)
 
@@ -96,29 +97,40 @@ class NgramDraftSession:
     """Model-free: proposals are deterministic, so each q is a point mass (q = 1) and the rejection rule stays exact."""
 
     def __init__(self, prompt: list[int], max_n: int, min_n: int):
-        self.tokens = list(prompt)
-        self.max_n, self.min_n = max_n, min_n
-        self.chain: list[int] = []
+        self.index = NgramIndex(prompt, max_n, min_n)  # committed tokens, then the chain
+        self.committed = len(prompt)
+
+    @property
+    def chain(self) -> list[int]:
+        """Tokens proposed (and assumed) since the last sync."""
+        return self.index.tokens[self.committed :]
 
     def prefill(self) -> int:
         return 0
 
     def sync(self, num_accepted: int, committed: list[int]) -> None:
-        self.tokens += self.chain[:num_accepted] + committed
-        self.chain = []
+        self.index.truncate(self.committed + num_accepted)
+        self.index.extend(committed)
+        self.committed = len(self.index.tokens)
 
     def propose(self, num_tokens: int, assume_accepted: bool) -> Proposal:
         """With assume_accepted the lookup's first token stands in for the target's bonus token."""
-        found = find_continuation(self.tokens + self.chain, num_tokens + assume_accepted, self.max_n, self.min_n)
-        self.chain += found
+        found = self.index.continuation(num_tokens + assume_accepted)
+        self.index.extend(found)
         proposal = Proposal([], [])
         if assume_accepted:
             if not found:
                 return proposal
             proposal.assumed_token, found = found[0], found[1:]
         proposal.token_ids = found
-        proposal.distributions = [SparseDistribution(torch.tensor([t]), CERTAIN) for t in found]
+        proposal.distributions = [point_mass(t) for t in found]
         return proposal
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def point_mass(token: int) -> SparseDistribution:
+    """q of a deterministic proposal. Cached: its tensors are never written, and a round then creates none."""
+    return SparseDistribution(torch.tensor([token]), CERTAIN)
 
 
 DraftSession = ModelDraftSession | NgramDraftSession

@@ -24,3 +24,46 @@ def find_continuation(tokens: list[int], num_tokens: int, max_n: int, min_n: int
             if tokens[start : start + n] == suffix:
                 return tokens[start + n : start + n + num_tokens]
     return []
+
+
+class NgramIndex:
+    """A growing sequence with, for each n-gram (n from min_n to max_n), where the token after its latest
+    occurrence sits: a lookup costs the same at token 2,000 as at token 20, where find_continuation scans back
+    through the whole sequence. The sequence can be cut back (a rejected draft chain), undoing what its tokens
+    recorded."""
+
+    def __init__(self, tokens: list[int], max_n: int, min_n: int):
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []
+        self.follower: dict[tuple[int, ...], int] = {}
+        self.undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per token: the entries it overwrote
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            i = len(self.tokens)
+            overwritten = []
+            for n in range(self.min_n, min(self.max_n, i) + 1):
+                key = tuple(self.tokens[i - n : i])  # now followed by the token at i
+                overwritten.append((key, self.follower.get(key)))
+                self.follower[key] = i
+            self.undo.append(overwritten)
+            self.tokens.append(token)
+
+    def truncate(self, length: int) -> None:
+        while len(self.tokens) > length:
+            self.tokens.pop()
+            for key, previous in reversed(self.undo.pop()):
+                if previous is None:
+                    del self.follower[key]
+                else:
+                    self.follower[key] = previous
+
+    def continuation(self, num_tokens: int) -> list[int]:
+        """find_continuation(self.tokens, num_tokens, max_n, min_n), by look-up."""
+        length = len(self.tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = self.follower.get(tuple(self.tokens[length - n :]))
+            if start is not None:
+                return self.tokens[start : start + num_tokens]
+        return []

@@ -51,7 +51,7 @@ class VerifyCall:
 
     session: TargetSession
     draft_tokens: list[int]
-    draft_dists: list[SparseDistribution]
+    draft_dists: list[SparseDistribution]  # for a greedy session, possibly q as received (only checked, never read)
     parent: Context | None = None
     queued_at: float = 0.0  # set by the batcher
     queue_us: int = 0

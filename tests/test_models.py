@@ -1,5 +1,6 @@
 """Model specs: tiny-random gives the same weights in any process; bad specs are refused clearly."""
 
+import random
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import torch
 
 from common.errors import InvalidArgument
 from common.models import load_model, parse_spec_params, TINY_RANDOM_DEFAULTS
-from draft_worker.ngram import find_continuation, parse_ngram
+from draft_worker.ngram import NgramIndex, find_continuation, parse_ngram
 
 SPEC = "tiny-random:seed=7,vocab=64,layers=1,hidden=32,noise=0.3"
 CHECKSUM = (
@@ -60,6 +61,20 @@ def test_prompt_lookup_continues_the_most_recent_match():
     assert find_continuation([5, 6, 7, 5], 3, max_n=3, min_n=1) == [6, 7, 5]
     assert find_continuation([1, 2, 3], 2, max_n=3, min_n=1) == []
     assert find_continuation([4, 1, 2, 9, 1, 2], 3, max_n=2, min_n=2) == [9, 1, 2]
+
+
+def test_prompt_lookup_index_finds_what_the_scan_finds_as_the_sequence_grows_and_is_cut_back():
+    rng = random.Random(0)
+    for _ in range(300):
+        vocab, max_n = rng.choice([3, 5, 20]), rng.choice([1, 2, 3, 4])
+        min_n = rng.randint(1, max_n)
+        index = NgramIndex([rng.randrange(vocab) for _ in range(rng.randrange(1, 40))], max_n, min_n)
+        for _ in range(5):
+            wanted = rng.randrange(1, 6)
+            assert index.continuation(wanted) == find_continuation(index.tokens, wanted, max_n, min_n)
+            index.truncate(rng.randrange(0, len(index.tokens) + 1))  # a rejected chain
+            assert index.follower == NgramIndex(index.tokens, max_n, min_n).follower
+            index.extend([rng.randrange(vocab) for _ in range(rng.randrange(0, 8))])
 
 
 @pytest.mark.parametrize("shape, billions", [("qwen2.5-0.5b", 0.49), ("qwen2.5-1.5b", 1.54)])
