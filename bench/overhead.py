@@ -4,6 +4,8 @@
    small) and the prompt-lookup draft at gamma 4; for each round, its wall time (as the coordinator measured it)
    minus the compute, cache sync and batch queueing the workers reported. Median and p95 in microseconds, with
    the rest of the round split into the workers' handling, the transport and the coordinator.
+   Beside it, the floor: the same two sequential round trips between minimal gRPC servers that only answer
+   (bench.transport_floor), what any round over gRPC costs on this machine.
 2. the split's cost: the same speculation loop on SmolLM2, once through the three services and once with both
    engines in this process (coordinator.in_process), interleaved per prompt; the ratio of seconds per token.
 """
@@ -18,6 +20,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.runner import load_prompts, machine_description
+from bench.transport_floor import measure_floor
+from common.config import DEFAULT_TARGET_MODEL, WorkerConfig
 from common.models import load_model
 from common.sampling import SamplingParams
 from coordinator.client import GenerationClient
@@ -36,7 +40,7 @@ QUICK_PROMPTS = ["fix-typos", "palindrome", "capital"]
 @dataclass
 class OverheadConfig:
     name: str
-    target_model: str = "smollm2-135m"  # of the split's cost (2); the per-round overhead uses TINY_TARGET
+    target_model: str = DEFAULT_TARGET_MODEL  # of the split's cost (2); the per-round overhead uses TINY_TARGET
     draft_model: str = "ngram"
     gamma: int = 4
     round_tokens: int = 512  # new tokens per request of the per-round measurement
@@ -46,7 +50,7 @@ class OverheadConfig:
     quick: bool = False
     prompt_ids: list[str] | None = None
     output_root: str = "bench/results"
-    device: str = "cpu"
+    device: str = WorkerConfig.device
 
     def __post_init__(self):
         if self.quick:
@@ -72,6 +76,7 @@ def round_overheads(response) -> list[dict[str, int]]:
                 "handling_us": split.handling_us,
                 "network_us": split.network_us,
                 "coordinator_us": split.coordinator_us,
+                "verify_us": split.verify_us,
             }
         )
     return rows
@@ -107,7 +112,8 @@ def per_round_overhead(config: OverheadConfig, out: Path, progress: tqdm) -> dic
                 request_rows = round_overheads(response)
                 rows.extend(request_rows)
                 per_request.append(summarise(request_rows))
-    return {"summary": summarise(rows), "requests": per_request}
+    verify_us = statistics.median(r["verify_us"] for r in rows) if rows else 0
+    return {"summary": summarise(rows), "requests": per_request, "floor": measure_floor(int(verify_us))}
 
 
 def grpc_seconds(client: GenerationClient, ids: list[int], gamma: int, max_new_tokens: int) -> tuple[float, int]:
@@ -165,7 +171,10 @@ def write_report(results: dict, out: Path) -> None:
     ]
     for key in ("overhead", "handling", "network", "coordinator"):
         lines.append(f"| {key} | {s[f'{key}_median_us']:.0f} | {s[f'{key}_p95_us']:.0f} |")
+    floor = results["per_round"]["floor"]
     lines += [
+        f"| floor: two round trips between minimal gRPC servers (target computing {floor['work_us']} µs) | "
+        f"{floor['median_us']:.0f} | {floor['p95_us']:.0f} |",
         "",
         f"Rounds counted: {s['rounds']}.",
         "",

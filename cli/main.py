@@ -52,11 +52,12 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--output-root", help="results go to OUTPUT_ROOT/NAME (default: the suite's)")
     bench.add_argument(
         "--suite",
-        choices=["speedup", "performance", "pair"],
+        choices=["speedup", "performance", "pair", "overhead"],
         default="speedup",
         help="speedup: baselines, gamma and temperature sweeps, the analytic model; performance: schedules (auto, "
         "heuristic, fixed), concurrency sweep, overlap on separate cores; pair: a real draft/target pair against "
-        "target-only, HF generate and HF assisted, with cost curves before/after packing and memory peaks",
+        "target-only, HF generate and HF assisted, with cost curves before/after packing and memory peaks; overhead: "
+        "per-round overhead beyond compute (median, p95 µs) against the gRPC floor, and gRPC vs in-process",
     )
     bench.add_argument("--overlap-draft-model", help="performance: the model draft of the overlap runs (default: the suite's)")
 
@@ -131,6 +132,10 @@ def run_bench_command(args) -> int:
         from bench.pair import PairConfig, run_pair
 
         out = run_pair(PairConfig(name=name, quick=args.quick, **given))
+    elif args.suite == "overhead":
+        from bench.overhead import OverheadConfig, run_overhead
+
+        out = run_overhead(OverheadConfig(name=name, quick=args.quick, **given))
     elif args.suite == "performance":
         from bench.performance import PerformanceConfig, run_performance
 

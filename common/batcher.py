@@ -1,10 +1,6 @@
 """Continuous batching for a worker: the steps of all open sessions run together in one forward pass.
 
-A step that finds the worker idle and no other session stepping runs at once, and (with inline) on the event
-loop's own thread: a lone session's round then pays no hand-off to the compute thread and back, which on a
-small model or a fast GPU is a large part of the round (two thread wake-ups and three event-loop turns, about
-0.3 ms measured on a 2-core CPU). Nothing else can run on the worker meanwhile in either case: its compute is
-serial. Otherwise the batcher waits a little
+A step that finds the worker idle and no other session open runs at once. Otherwise the batcher waits a little
 for the steps of the other open sessions: each comes back a few milliseconds after its previous step (the round
 trip through the coordinator), and without the wait sessions fall out of phase (one runs alone while the others
 wait, then they run while it waits) and every pass serves only part of them. The wait is bounded by a fraction
@@ -36,10 +32,8 @@ class Batcher:
         run_batch: Callable[[list], list],
         open_sessions: Callable[[], int] = lambda: 1,
         max_batch: int = 64,
-        inline: bool = False,
     ):
         self.executor = executor
-        self.inline = inline  # a lone step runs on the event loop's thread
         self.run_batch = run_batch  # calls -> one result (or exception) per call, in order
         self.open_sessions = open_sessions  # how many steps a full batch would hold
         self.max_batch = max_batch
@@ -51,13 +45,8 @@ class Batcher:
     async def submit(self, call):
         """The call's result, once a batch containing it has run; its exception is raised here. The time the call
         waited for its batch is set on it as queue_us, when it has that attribute."""
-        call.queued_at = time.monotonic()
-        if self.inline and not self.queue and (self.draining is None or self.draining.done()) and self.open_sessions() <= 1:
-            start = time.monotonic()
-            result = run_alone(self.run_batch, call)
-            self.last_pass = time.monotonic() - start
-            return result
         future = asyncio.get_running_loop().create_future()
+        call.queued_at = time.monotonic()
         self.queue.append((call, future))
         self.arrived.set()
         if self.draining is None or self.draining.done():

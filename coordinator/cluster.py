@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_PORTS, DEFAULT_TARGET_MODEL, WorkerConfig
+from draft_worker.ngram import is_ngram
 
 # The best draft the project has for each target; prompt lookup for SmolLM2 (see README, "Choosing a draft").
 DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b#int8"}
@@ -22,9 +23,15 @@ DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b
 SERVE_COMMAND = [sys.executable, "-m", "cli", "serve"]
 
 
-# The three services share this machine's cores: OpenMP threads that spin while waiting for work take cycles from
-# the other processes (measured on the Qwen pair, 2 cores: a target step of 251-268 ms passive, 288-316 spinning).
-LOCAL_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+def local_env(draft_model: str) -> dict[str, str]:
+    """The environment of services that share this machine's cores.
+
+    Two model workers: OpenMP threads that spin while waiting for work take cycles from the other worker, so they
+    sleep instead (measured on the Qwen pair, 2 cores: a target step of 251-268 ms passive, 288-316 spinning).
+    With prompt lookup only the target computes, and its threads' default (spin a while, then sleep) keeps its
+    many small operations fast (SmolLM2 verification, 2 cores: 43-63 ms by default, 65-71 ms passive).
+    """
+    return {} if is_ngram(draft_model) else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def default_draft_for(target_model: str) -> str:
@@ -72,7 +79,12 @@ class Cluster:
         output = open(self.log_dir / f"{role}.log", "ab") if self.log_dir else None  # noqa: SIM115 - the process owns it
         process = subprocess.Popen(
             [*SERVE_COMMAND, role, *args],
-            env={**LOCAL_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            env={
+                **local_env(self.draft_model or default_draft_for(self.target_model)),
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                **self.env,
+            },
             stdout=output,
             stderr=subprocess.STDOUT if output else None,
         )

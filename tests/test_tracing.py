@@ -181,6 +181,7 @@ def test_one_trace_spans_all_three_services_with_a_span_per_round(traced_cluster
         + split.verify_us
         + split.sync_us
         + split.queue_us
+        + split.handling_us
         + split.network_us
         + split.coordinator_us
     )
@@ -198,6 +199,7 @@ def test_one_trace_spans_all_three_services_with_a_span_per_round(traced_cluster
         "specdec.time.verify_us",
         "specdec.time.sync_us",
         "specdec.time.network_us",
+        "specdec.time.handling_us",
     ):
         assert key in round_attributes, key
     assert round_attributes["specdec.bytes_sent"] > 0 and round_attributes["specdec.bytes_received"] > 0
