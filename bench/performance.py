@@ -112,6 +112,8 @@ def one_client(address: str, prompts: list[dict], first: int, count: int, gamma:
                     "ms_per_token": 1e3 * seconds / max(len(response.token_ids), 1),
                     "mean_target_batch": statistics.mean(batch) if batch else 0,
                     "drafted": response.speculation.drafted_tokens,
+                    "accepted": response.speculation.accepted_tokens,
+                    "rounds": response.speculation.rounds,
                     "token_ids": list(response.token_ids),
                 }
             )

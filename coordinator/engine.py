@@ -35,6 +35,7 @@ from coordinator.gamma_policy import (
     FixedPolicy,
     HeuristicPolicy,
     MeasuredSpeed,
+    RunningMean,
     Scale,
 )
 from coordinator.metrics import CoordinatorMetrics
@@ -49,7 +50,7 @@ from coordinator.round import (
     speculation_round,
     truncated,
 )
-from coordinator.types import FINISH_REASON_NAMES, GenerationParams, GenerationResult, TimeSplit
+from coordinator.types import FINISH_REASON_NAMES, GenerationParams, GenerationResult, RoundStats, TimeSplit
 from coordinator.workers import DraftSession, TargetSession, WorkerInfo, Workers
 
 PROVIDER = "specdec"
@@ -113,6 +114,7 @@ class GenerationEngine:
         self.metrics = CoordinatorMetrics()
         self.draft_availability = DraftAvailability(config.draft_retry_initial, config.draft_retry_max)
         self.measured_speed = MeasuredSpeed()
+        self.running = 0  # requests in progress
 
     @property
     def max_context_length(self) -> int:
@@ -175,6 +177,7 @@ class GenerationEngine:
         # Learned with the previous draft: its speed against its curve, and how often its tokens were accepted.
         self.measured_speed.draft_scale = Scale()
         self.measured_speed.acceptance = AcceptanceEstimate(decay=DEPLOYMENT_DECAY)
+        self.measured_speed.draft_exchange = RunningMean()
         log.info("draft worker %s connected", draft.model_name)
         return True
 
@@ -192,6 +195,7 @@ class GenerationEngine:
             attributes=self.root_attributes(params),
         )
         run = RequestRun(self, params, root, started, time_limit)
+        self.running += 1
         try:
             async for event in run.events():
                 yield event
@@ -200,6 +204,7 @@ class GenerationEngine:
             root.set_attribute("error.type", type(error).__name__)
             raise
         finally:
+            self.running -= 1
             root.end()
 
     async def generate_all(self, params: GenerationParams, parent: Context | None = None, time_limit: float | None = None):
@@ -369,6 +374,8 @@ class RequestRun:
             row_scales=speed.row_scales,
             draft_scale=speed.draft_scale,
             shared_acceptance=speed.acceptance,
+            draft_exchange=speed.draft_exchange,
+            peers=lambda: self.engine.running - 1,
         )
 
     @property
@@ -423,7 +430,7 @@ class RequestRun:
                     round_end = time.perf_counter()
                     stats = round_stats(result, elapsed_us(round_start, round_end))
                     round_start = round_end
-                    policy.observe_overhead(stats.time_split.overhead_us)
+                    policy.observe_overhead(*exchange_costs(result, stats))
                     rounds.append(stats)
                     totals.add(stats.time_split)
                     if round_span.is_recording():
@@ -476,6 +483,15 @@ def learn(policy, result: RoundResult) -> None:
     )
     if result.pre is not None:
         policy.observe_draft(len(result.pre.token_ids) + 1, result.pre.compute_us)
+
+
+def exchange_costs(result: RoundResult, stats: RoundStats) -> tuple[int, int | None]:
+    """What the round paid beyond the target's work (its exchange and the coordinator), and what asking the draft
+    cost beyond drafting (None when the round did not ask it): a round without drafting skips the second."""
+    verdict = result.verdict
+    beyond_verify = max(0, result.verify_rtt_us - verdict.compute_us - verdict.sync_us - verdict.queue_us)
+    draft_exchange = result.draft_rtt_us - result.exposed.compute_us if result.exposed is not None else None
+    return beyond_verify + stats.time_split.coordinator_us, draft_exchange
 
 
 @contextlib.contextmanager

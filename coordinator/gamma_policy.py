@@ -5,17 +5,21 @@ The cost model picks the gamma that maximises expected tokens per second of the 
     rate(g) = E[tokens | g] / (draft(g) + verify((sessions in the batch) * (g + 1)) + overhead)
     E[tokens | g] = (1 - a^(g+1)) / (1 - a)             (Leviathan et al. 2023, eq. 1)
 
-with a the running acceptance estimate, draft(g) and verify(n) the workers' measured cost curves rescaled by what
-the rounds of this coordinator's requests actually took (MeasuredSpeed, shared by its requests), and overhead
-the round's network and coordinator time. When the target batches other sessions with this one, verify is the
-cost of the whole batch, assuming the others choose as this session does: that is the gamma that maximises the
-batch's throughput, which each session would otherwise overspend (an extra token is nearly free to the session
-that drafts it, and slows every session of the batch).
+with a the running acceptance estimate (starting from the deployment's recent acceptance); draft(g) the draft's
+compute plus what asking it costs a round beyond that (its exchange), paid only when g > 0; verify(n) the
+target's measured cost curve; both curves rescaled by what the rounds of this coordinator's requests actually took
+(MeasuredSpeed, shared by its requests); overhead the round's target exchange and coordinator time. When the target
+batches other sessions with this one, verify is the cost of the whole batch, assuming the others choose as this
+session does: that is the gamma that maximises the batch's throughput, which each session would otherwise
+overspend (an extra token is nearly free to the session that drafts it, and slows every session of the batch).
+In a batch, a gain too small to measure is not taken (BATCH_MARGIN): a session that drafts reaches the target
+later than those that do not, and the batch waits for it.
 
 g = 0 (no speculation) is one of the choices, so a draft that keeps missing is not asked; its estimate drifts back
 to the prior while unused, which makes the session try again now and then.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.cost_curve import cheapest_rows, cost_at
@@ -25,6 +29,7 @@ PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
 EVIDENCE_DECAY = 0.9  # per drafting round: older rounds weigh less, so the estimate follows the text
 IDLE_DECAY = 0.98  # per round without drafting: the estimate drifts back to the prior, so a session tries again
 SCALE_DECAY = 0.8
+BATCH_MARGIN = 1.05  # a gamma beats a smaller one in a shared batch only if 5 % faster
 DEPLOYMENT_DECAY = 0.995  # per drafting round of any request: the deployment's acceptance follows its traffic
 
 
@@ -72,6 +77,16 @@ class Scale:
 
 
 @dataclass
+class RunningMean:
+    """An exponentially weighted mean of a time in milliseconds; None until first measured."""
+
+    value: float | None = None
+
+    def update(self, ms: float) -> None:
+        self.value = ms if self.value is None else SCALE_DECAY * self.value + (1 - SCALE_DECAY) * ms
+
+
+@dataclass
 class MeasuredSpeed:
     """How fast the workers run as the rounds of every request measured it (measured over predicted), shared by
     all requests of one coordinator: a new request starts from what earlier ones saw rather than from the start-up
@@ -84,6 +99,8 @@ class MeasuredSpeed:
     # The deployment's recent acceptance: the prior of a new request, which otherwise would start from 0.5 and
     # spend its first rounds learning what every earlier request already showed.
     acceptance: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(decay=DEPLOYMENT_DECAY))
+    # What asking the draft costs a round beyond its compute: the exchange's transport, handling and queueing.
+    draft_exchange: RunningMean = field(default_factory=RunningMean)
 
     def prior(self) -> float:
         return self.acceptance.rate
@@ -101,8 +118,10 @@ class CostModelPolicy:
     row_scales: dict[int, Scale] = field(default_factory=dict)  # by padded row count
     draft_scale: Scale = field(default_factory=Scale)
     shared_acceptance: AcceptanceEstimate | None = None  # the deployment's (MeasuredSpeed.acceptance), fed too
-    overhead_ms: float | None = None  # per round, network and coordinator; None until first seen
+    overhead_ms: float | None = None  # per round: the target's exchange beyond its work, and the coordinator's
+    draft_exchange: RunningMean = field(default_factory=RunningMean)  # per drafting round (MeasuredSpeed's)
     other_sessions: int = 0  # sessions batched with this one in the target's last forward pass
+    peers: Callable[[], int] = lambda: 0  # requests of this coordinator running beside this one, now
 
     # The curve's look-ups by token count, computed once per count: choose() asks for every gamma every round.
     rows_for: dict[int, int] = field(default_factory=dict, repr=False)
@@ -120,8 +139,15 @@ class CostModelPolicy:
             cost = self.cost_of[rows] = cost_at(self.target_costs, rows)
         return cost
 
+    def batched_with(self) -> int:
+        """Sessions expected in the target's next pass beside this one: those of its last pass, or this
+        coordinator's other requests running now if more (a new request, or one whose last pass ran out of phase,
+        would otherwise plan as if alone)."""
+        return max(self.other_sessions, self.peers())
+
     def verify_ms(self, tokens: int) -> float:
-        rows = self.target_rows(tokens * (1 + self.other_sessions))
+        """The target's pass over the batch, each of its sessions feeding as many tokens as this one."""
+        rows = self.target_rows(tokens * (1 + self.batched_with()))
         return self.scale_at(rows) * self.target_ms(rows)
 
     def scale_at(self, rows: int) -> float:
@@ -135,7 +161,8 @@ class CostModelPolicy:
         return self.draft_scale.value * gamma * cost_at(self.draft_costs, 1) if gamma else 0.0
 
     def rate(self, gamma: int, draft_hidden: bool = False) -> float:
-        draft = 0.0 if draft_hidden else self.draft_ms(gamma)
+        # A round that drafts pays the draft's compute and its exchange; one that does not skips the draft worker.
+        draft = 0.0 if draft_hidden or not gamma else self.draft_ms(gamma) + (self.draft_exchange.value or 0.0)
         seconds = (draft + self.verify_ms(gamma + 1) + (self.overhead_ms or 0.0)) / 1e3
         return expected_tokens(self.acceptance.rate, gamma) / seconds if seconds > 0 else float(gamma + 1)
 
@@ -151,12 +178,15 @@ class CostModelPolicy:
             # One extra pass drafts the assumed bonus token.
             fits = int(self.verify_ms(hidden_behind) / max(self.draft_ms(1), 1e-6)) - 1
             limit = min(limit, max(1, fits))
-        best, best_rate = 0, self.rate(0)
+        best, best_rate = 0, 0.0
         for gamma in range(1, limit + 1):
             rate = self.rate(gamma, draft_hidden)
             if rate > best_rate * 1.000001:
                 best, best_rate = gamma, rate
-        return best
+        # Batched with other sessions, a gain too small to measure is not taken: a session that drafts reaches the
+        # target later than those that do not, and the batch waits for it (or runs without it).
+        margin = BATCH_MARGIN if self.batched_with() else 1.000001
+        return best if best_rate > self.rate(0) * margin else 0
 
     def observe(
         self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int
@@ -175,9 +205,13 @@ class CostModelPolicy:
         if drafted and self.draft_costs:
             self.draft_scale.update(compute_us / 1e3, drafted * cost_at(self.draft_costs, 1))
 
-    def observe_overhead(self, overhead_us: int) -> None:
+    def observe_overhead(self, overhead_us: int, draft_exchange_us: int | None = None) -> None:
+        """overhead_us: what every round pays beyond the target's work; draft_exchange_us: what this round's
+        draft exchange cost beyond drafting (None: the round did not ask the draft)."""
         ms = overhead_us / 1e3
         self.overhead_ms = ms if self.overhead_ms is None else SCALE_DECAY * self.overhead_ms + (1 - SCALE_DECAY) * ms
+        if draft_exchange_us is not None:
+            self.draft_exchange.update(draft_exchange_us / 1e3)
 
 
 @dataclass
@@ -197,7 +231,7 @@ class FixedPolicy:
     def observe_draft(self, drafted: int, compute_us: int) -> None:
         pass
 
-    def observe_overhead(self, overhead_us: int) -> None:
+    def observe_overhead(self, overhead_us: int, draft_exchange_us: int | None = None) -> None:
         pass
 
 
