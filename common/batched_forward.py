@@ -171,6 +171,9 @@ def forward_sessions(
         logits_to_keep=keep.to(device),
         ragged_lengths=lengths,
     )
+    if device.type == "cuda":
+        # The pass is queued, not done: callers time it and read its rows right after, so wait for it here.
+        torch.cuda.synchronize(device)
     return list(out.logits[0].split(logits_to_keep))
 
 

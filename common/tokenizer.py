@@ -9,6 +9,7 @@ from typing import Protocol
 from tokenizers.decoders import DecodeStream
 
 CHAT_ROLES = ("system", "user", "assistant")
+REPLACEMENT_CHAR = "\ufffd"  # what decoding shows for an unfinished multi-byte character
 
 
 class Tokenizer(Protocol):
@@ -86,8 +87,12 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=True)
 
-    def decode_stream(self) -> "HFStream":
-        return HFStream(self.hf.backend_tokenizer)
+    def decode_stream(self) -> "TextStream":
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
+            # No fast tokenizer, or a clean-up that rewrites text already decoded: only whole decodes are exact.
+            return WholeDecodeStream(self.decode)
+        return HFStream(backend, self.decode)
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if self.hf.chat_template is None:
@@ -98,9 +103,41 @@ class HFTokenizer:
 
 
 class HFStream:
-    def __init__(self, backend):
-        self.backend = backend  # the tokenizers.Tokenizer under the transformers tokenizer
+    """tokenizers' DecodeStream, which raises on some byte-fallback runs that are not UTF-8 ("Invalid prefix
+    encountered"); the request then goes on with whole decodes from where the stream stopped."""
+
+    def __init__(self, backend, decode):
+        self.backend, self.decode = backend, decode  # the tokenizers.Tokenizer under the transformers tokenizer
         self.stream = DecodeStream(skip_special_tokens=True)
+        self.token_ids: list[int] = []
+        self.emitted = 0  # characters returned so far
+        self.fallback: WholeDecodeStream | None = None
 
     def step(self, token_id: int) -> str:
-        return self.stream.step(self.backend, token_id) or ""
+        self.token_ids.append(token_id)
+        if self.fallback is None:
+            try:
+                piece = self.stream.step(self.backend, token_id) or ""
+                self.emitted += len(piece)
+                return piece
+            except Exception:  # noqa: BLE001 - the whole decode below never fails
+                self.fallback = WholeDecodeStream(self.decode, self.token_ids[:-1], self.emitted)
+        return self.fallback.step(token_id)
+
+
+class WholeDecodeStream:
+    """Decodes all tokens so far at each step and returns what is new, holding back a trailing unfinished
+    character: exact for any tokenizer, at a cost that grows with the answer."""
+
+    def __init__(self, decode, token_ids: Sequence[int] = (), emitted: int = 0):
+        self.decode = decode
+        self.token_ids = list(token_ids)
+        self.emitted = emitted
+
+    def step(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        text = self.decode(self.token_ids)
+        end = len(text.rstrip(REPLACEMENT_CHAR))
+        piece = text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return piece

@@ -199,6 +199,8 @@ class GenerationEngine:
         try:
             async for event in run.events():
                 yield event
+        except GeneratorExit:  # the caller stopped reading (e.g. after the result): not an error of the request
+            raise
         except BaseException as error:
             root.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
             root.set_attribute("error.type", type(error).__name__)
@@ -208,9 +210,10 @@ class GenerationEngine:
             root.end()
 
     async def generate_all(self, params: GenerationParams, parent: Context | None = None, time_limit: float | None = None):
-        async for event in self.generate(params, parent, time_limit):
-            if isinstance(event, GenerationResult):
-                return event
+        async with contextlib.aclosing(self.generate(params, parent, time_limit)) as events:
+            async for event in events:
+                if isinstance(event, GenerationResult):
+                    return event
         raise RuntimeError("generation ended without a result")
 
 
@@ -490,6 +493,7 @@ def exchange_costs(result: RoundResult, stats: RoundStats) -> tuple[int, int | N
     cost beyond drafting (None when the round did not ask it): a round without drafting skips the second."""
     verdict = result.verdict
     beyond_verify = max(0, result.verify_rtt_us - verdict.compute_us - verdict.sync_us - verdict.queue_us)
+    beyond_verify += max(0, result.pre_rtt_us - result.verify_rtt_us)  # a pre-draft that outlasted verification
     draft_exchange = result.draft_rtt_us - result.exposed.compute_us if result.exposed is not None else None
     return beyond_verify + stats.time_split.coordinator_us, draft_exchange
 

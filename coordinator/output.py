@@ -7,10 +7,8 @@ so that nothing streamed ever has to be taken back.
 
 from dataclasses import dataclass, field
 
-from common.tokenizer import Tokenizer
+from common.tokenizer import REPLACEMENT_CHAR, Tokenizer
 from specdec.v1 import generation_pb2
-
-REPLACEMENT_CHAR = "\ufffd"
 
 
 @dataclass

@@ -32,7 +32,7 @@ class GenerationParams:
 
 @dataclass
 class TimeSplit:
-    """Where time went, in microseconds; the parts up to queue_us add up to total_us."""
+    """Where time went, in microseconds; the parts (all but total_us and draft_overlapped_us) add up to total_us."""
 
     prefill_us: int = 0
     draft_us: int = 0

@@ -112,6 +112,7 @@ class NgramDraftSession:
         self.index.truncate(self.committed + num_accepted)
         self.index.extend(committed)
         self.committed = len(self.index.tokens)
+        self.index.keep(self.committed)
 
     def propose(self, num_tokens: int, assume_accepted: bool) -> Proposal:
         """With assume_accepted the lookup's first token stands in for the target's bonus token."""

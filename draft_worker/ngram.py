@@ -37,7 +37,9 @@ class NgramIndex:
         self.tokens: list[int] = []
         self.follower: dict[tuple[int, ...], int] = {}
         self.undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per token: the entries it overwrote
+        self.undo_start = 0  # position of the first token undo still covers (tokens before it are final)
         self.extend(tokens)
+        self.keep(len(self.tokens))
 
     def extend(self, tokens: list[int]) -> None:
         for token in tokens:
@@ -50,7 +52,16 @@ class NgramIndex:
             self.undo.append(overwritten)
             self.tokens.append(token)
 
+    def keep(self, length: int) -> None:
+        """The first `length` tokens will never be cut back: forgets how to undo them."""
+        drop = min(length, len(self.tokens)) - self.undo_start
+        if drop > 0:
+            del self.undo[:drop]
+            self.undo_start += drop
+
     def truncate(self, length: int) -> None:
+        if length < self.undo_start:
+            raise ValueError(f"cannot cut back to {length} tokens: the first {self.undo_start} are kept")
         while len(self.tokens) > length:
             self.tokens.pop()
             for key, previous in reversed(self.undo.pop()):

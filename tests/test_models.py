@@ -72,7 +72,9 @@ def test_prompt_lookup_index_finds_what_the_scan_finds_as_the_sequence_grows_and
         for _ in range(5):
             wanted = rng.randrange(1, 6)
             assert index.continuation(wanted) == find_continuation(index.tokens, wanted, max_n, min_n)
-            index.truncate(rng.randrange(0, len(index.tokens) + 1))  # a rejected chain
+            index.truncate(rng.randrange(index.undo_start, len(index.tokens) + 1))  # a rejected chain
+            if rng.random() < 0.5:
+                index.keep(len(index.tokens))  # a sync: what is committed is never cut back
             assert index.follower == NgramIndex(index.tokens, max_n, min_n).follower
             index.extend([rng.randrange(vocab) for _ in range(rng.randrange(0, 8))])
 

@@ -4,7 +4,7 @@ import pytest
 
 from common.models import load_tokenizer
 from common.tokenizer import ByteTokenizer
-from coordinator.output import OutputTracker, held_back_length
+from coordinator.output import REPLACEMENT_CHAR, OutputTracker, held_back_length
 from specdec.v1 import generation_pb2
 
 TOKENIZER = ByteTokenizer(256)
@@ -94,3 +94,26 @@ def test_stop_string_split_across_rounds_is_found_and_never_streamed(smollm2_tok
             streamed += streamed_in_rounds(tracker, token_ids[first:], [1, 3])
             assert tracker.finish_reason == generation_pb2.FINISH_REASON_STOP, first
             assert streamed == tracker.text == expected, first
+
+
+def test_whole_decoding_stream_matches_full_decoding_and_holds_back_unfinished_characters():
+    from common.tokenizer import WholeDecodeStream
+
+    token_ids = TOKENIZER.encode(MULTI_BYTE)
+    stream = WholeDecodeStream(TOKENIZER.decode)
+    pieces = [stream.step(t) for t in token_ids]
+    assert "".join(pieces) == MULTI_BYTE and REPLACEMENT_CHAR not in "".join(pieces)
+
+
+def test_a_failing_decode_stream_falls_back_to_whole_decoding_without_losing_text(smollm2_tokenizer):
+    token_ids = smollm2_tokenizer.encode(MULTI_BYTE)
+    stream = smollm2_tokenizer.decode_stream()
+    text = "".join(stream.step(t) for t in token_ids[:10])
+
+    class Failing:
+        def step(self, backend, token_id):
+            raise Exception("Invalid prefix encountered while decoding stream")
+
+    stream.stream = Failing()
+    text += "".join(stream.step(t) for t in token_ids[10:])
+    assert text == MULTI_BYTE

@@ -53,9 +53,7 @@ def test_generate_command_prints_the_json_result(smollm2_cluster):
         subprocess.run([*base, "--json", "--gamma", "2", prompt], capture_output=True, text=True, check=True).stdout
     )
     assert set(result) >= {"text", "token_ids", "finish_reason", "usage", "speculation"}
-    assert result["finish_reason"] in ("length", "stop") and result["usage"]["completion_tokens"] == len(
-        result["token_ids"]
-    )
+    assert result["finish_reason"] in ("length", "stop") and result["usage"]["completion_tokens"] == len(result["token_ids"])
     assert set(result["speculation"]) >= {"rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate"}
     streamed = subprocess.run([*base, "--gamma", "0", prompt], capture_output=True, text=True, check=True).stdout
     assert streamed.strip() == result["text"].strip()
