@@ -29,7 +29,7 @@ PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
 EVIDENCE_DECAY = 0.9  # per drafting round: older rounds weigh less, so the estimate follows the text
 IDLE_DECAY = 0.98  # per round without drafting: the estimate drifts back to the prior, so a session tries again
 SCALE_DECAY = 0.8
-BATCH_MARGIN = 1.05  # a gamma beats a smaller one in a shared batch only if 5 % faster
+BATCH_MARGIN = 1.05  # in a shared batch, drafting must be predicted 5 % faster than not drafting
 DEPLOYMENT_DECAY = 0.995  # per drafting round of any request: the deployment's acceptance follows its traffic
 
 
