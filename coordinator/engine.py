@@ -512,8 +512,10 @@ def phases_under(round_span: trace.Span) -> Phase:
     """The round's phases (draft, verify) as child spans of its `speculate` span."""
     parent = span_context(round_span)
 
-    def phase(name: str, overlapped: bool):
-        return child_span(name, parent, **({"specdec.overlapped": True} if overlapped else {}))
+    def phase(name: str, gamma: int, overlapped: bool):
+        if not overlapped:
+            return child_span(name, parent)
+        return child_span(name, parent, **{"specdec.overlapped": True, "specdec.gamma": gamma})
 
     return phase
 

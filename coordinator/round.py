@@ -32,11 +32,11 @@ class RoundWorkers(Protocol):
         """The draft is still in use (it has not failed during this request)."""
 
 
-# phase(name, overlapped) -> a context manager whose value is the trace context of that phase's worker calls.
-Phase = Callable[[str, bool], AbstractContextManager[Context | None]]
+# phase(name, gamma, overlapped) -> a context manager whose value is the trace context of the phase's worker calls.
+Phase = Callable[[str, int, bool], AbstractContextManager[Context | None]]
 
 
-def untraced(name: str, overlapped: bool = False) -> AbstractContextManager[Context | None]:
+def untraced(name: str, gamma: int = 0, overlapped: bool = False) -> AbstractContextManager[Context | None]:
     return nullcontext(None)
 
 
@@ -112,7 +112,7 @@ async def speculation_round(
     t0 = time.perf_counter()
     proposal = exposed = ready
     if ready is None and gamma > 0:
-        with phase("draft", False) as parent:
+        with phase("draft", gamma, False) as parent:
             proposal = exposed = await workers.propose(*sync.take(), gamma, parent)
     elif ready is not None:
         exposed, gamma = None, len(ready.token_ids)
@@ -121,7 +121,7 @@ async def speculation_round(
     g_next = next_gamma(len(drafted)) if workers.has_draft else 0
     pre_task = asyncio.ensure_future(pre_draft(workers, sync, g_next, phase)) if g_next > 0 else None
     try:
-        with phase("verify", False) as parent:
+        with phase("verify", gamma, False) as parent:
             verdict = await workers.verify(proposal, parent)
     except BaseException:
         if pre_task is not None:
@@ -156,7 +156,7 @@ async def pre_draft(workers: RoundWorkers, sync: DraftSync, g: int, phase: Phase
     """Drafts the next round behind this verification (see DraftStep.assume_accepted); the proposal (None on
     failure) and its round-trip time."""
     start = time.perf_counter()
-    with phase("draft", True) as parent:
+    with phase("draft", g, True) as parent:
         proposal = await workers.propose(*sync.take(), g, parent, assume_accepted=True)
     return proposal, elapsed_us(start, time.perf_counter())
 
