@@ -45,6 +45,7 @@ from coordinator.round import (
     Phase,
     RoundResult,
     elapsed_us,
+    handling,
     raise_if_cancelled,
     round_stats,
     speculation_round,
@@ -491,8 +492,8 @@ def learn(policy, result: RoundResult) -> None:
 def exchange_costs(result: RoundResult, stats: RoundStats) -> tuple[int, int | None]:
     """What the round paid beyond the target's work (its exchange and the coordinator), and what asking the draft
     cost beyond drafting (None when the round did not ask it): a round without drafting skips the second."""
-    verdict = result.verdict
-    beyond_verify = max(0, result.verify_rtt_us - verdict.compute_us - verdict.sync_us - verdict.queue_us)
+    verify_work, _ = handling(result.verdict)
+    beyond_verify = max(0, result.verify_rtt_us - verify_work)
     beyond_verify += max(0, result.pre_rtt_us - result.verify_rtt_us)  # a pre-draft that outlasted verification
     draft_exchange = result.draft_rtt_us - result.exposed.compute_us if result.exposed is not None else None
     return beyond_verify + stats.time_split.coordinator_us, draft_exchange
