@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.runner import load_prompts, machine_description
+from bench.runner import load_prompts, machine_description, percentile
 from bench.transport_floor import measure_floor
 from common.config import DEFAULT_TARGET_MODEL, WorkerConfig
 from common.models import load_model
@@ -57,11 +57,6 @@ class OverheadConfig:
             self.round_tokens, self.round_requests, self.repeats = 128, 2, 1
             self.max_new_tokens = min(self.max_new_tokens, 32)
             self.prompt_ids = self.prompt_ids or QUICK_PROMPTS
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
 
 
 def round_overheads(response) -> list[dict[str, int]]:

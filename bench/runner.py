@@ -317,6 +317,11 @@ def speedups(runs: list[dict], system: str, gamma: int, temperature: float = 0.0
     return [b["seconds"] / b["tokens"] * m["tokens"] / m["seconds"] for b, m in pairs if b["tokens"] and m["seconds"]]
 
 
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
+
+
 def acceptance_by_position(runs: list[dict]) -> dict[int, float]:
     """For position i: of the rounds that drafted at least i tokens, the share that accepted at least i."""
     counts: dict[int, list[int]] = {}

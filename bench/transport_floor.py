@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.runner import percentile
 from common.server import CHANNEL_OPTIONS, GRPC_OPTIONS
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, worker_pb2
 
@@ -91,12 +92,11 @@ def measure_floor(work_us: int, count: int = 300) -> dict[str, float]:
             for server in servers:
                 server.kill()
                 server.wait()
-    ordered = sorted(overheads)
     return {
         "work_us": work_us,
-        "rounds": len(ordered),
-        "median_us": statistics.median(ordered),
-        "p95_us": ordered[int(0.95 * (len(ordered) - 1))],
+        "rounds": len(overheads),
+        "median_us": statistics.median(overheads),
+        "p95_us": percentile(overheads, 0.95),
     }
 
 

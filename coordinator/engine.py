@@ -28,16 +28,7 @@ from common.rounds import Proposal
 from common.telemetry import tracer
 from common.tokenizer import Tokenizer
 from coordinator.config import CoordinatorConfig
-from coordinator.gamma_policy import (
-    DEPLOYMENT_DECAY,
-    AcceptanceEstimate,
-    CostModelPolicy,
-    FixedPolicy,
-    HeuristicPolicy,
-    MeasuredSpeed,
-    RunningMean,
-    Scale,
-)
+from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, FixedPolicy, HeuristicPolicy, MeasuredSpeed
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.output import OutputTracker
 from coordinator.round import (
@@ -175,10 +166,7 @@ class GenerationEngine:
             self.draft_availability.failed()
             return False
         self.draft = draft
-        # Learned with the previous draft: its speed against its curve, and how often its tokens were accepted.
-        self.measured_speed.draft_scale = Scale()
-        self.measured_speed.acceptance = AcceptanceEstimate(decay=DEPLOYMENT_DECAY)
-        self.measured_speed.draft_exchange = RunningMean()
+        self.measured_speed.forget_draft()
         log.info("draft worker %s connected", draft.model_name)
         return True
 

@@ -105,6 +105,13 @@ class MeasuredSpeed:
     def prior(self) -> float:
         return self.acceptance.rate
 
+    def forget_draft(self) -> None:
+        """A new draft worker: what was learned with the previous one (its speed against its curve, how often its
+        tokens were accepted, what asking it cost) no longer holds."""
+        self.draft_scale = Scale()
+        self.acceptance = AcceptanceEstimate(decay=DEPLOYMENT_DECAY)
+        self.draft_exchange = RunningMean()
+
 
 @dataclass
 class CostModelPolicy:

@@ -44,6 +44,11 @@ class TargetSession:
     num_p_entries: int
     last_active: float = field(default_factory=time.monotonic)
 
+    @property
+    def argmax_verdict(self) -> bool:
+        """Greedy and reporting no p: p is one-hot, so a verdict reads only the argmax of the logits, never q."""
+        return self.params.greedy and not self.num_p_entries
+
 
 @dataclass
 class VerifyCall:
@@ -214,7 +219,7 @@ class TargetEngine:
         start = time.perf_counter()
         gamma = len(draft_tokens)
         try:
-            if session.params.greedy and not session.num_p_entries:
+            if session.argmax_verdict:
                 # p is one-hot at the argmax: the verdict needs only the argmax, computed where the logits are.
                 argmax = logits.argmax(dim=-1).tolist()
                 num_accepted, next_token = accept_while_argmax(argmax, draft_tokens)

@@ -33,8 +33,11 @@ class TargetServicer(SessionStreamServicer):
     async def step(self, session, request):
         step = request.step
         # A greedy verdict never reads q (p is one-hot): it is only checked, as it came off the wire.
-        greedy = session.params.greedy and not session.num_p_entries
-        dists = list(step.draft_distributions) if greedy else [distribution_from_proto(d) for d in step.draft_distributions]
+        dists = (
+            list(step.draft_distributions)
+            if session.argmax_verdict
+            else [distribution_from_proto(d) for d in step.draft_distributions]
+        )
         verdict = await self.batcher.submit(VerifyCall(session, list(step.draft_token_ids), dists, self.parent(request)))
         return target_pb2.VerifyResponse(
             result=target_pb2.VerifyResult(
