@@ -52,12 +52,13 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--output-root", help="results go to OUTPUT_ROOT/NAME (default: the suite's)")
     bench.add_argument(
         "--suite",
-        choices=["speedup", "performance", "pair", "overhead"],
+        choices=["speedup", "performance", "pair", "overhead", "scale"],
         default="speedup",
         help="speedup: baselines, gamma and temperature sweeps, the analytic model; performance: schedules (auto, "
         "heuristic, fixed), concurrency sweep, overlap on separate cores; pair: a real draft/target pair against "
         "target-only, HF generate and HF assisted, with cost curves before/after packing and memory peaks; overhead: "
-        "per-round overhead beyond compute (median, p95 µs) against the gRPC floor, and gRPC vs in-process",
+        "per-round overhead beyond compute (median, p95 µs) against the gRPC floor, and gRPC vs in-process; scale: one "
+        "target worker against two (tokens/s, session spread) and a fault run over 2 targets, 2 drafts, 2 coordinators",
     )
     bench.add_argument("--overlap-draft-model", help="performance: the model draft of the overlap runs (default: the suite's)")
 
@@ -75,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(commands)
     commands.add_parser("demo", help="bring the cluster up, stream a few answers, report acceptance and speedup")
     add_bench_parser(commands)
+    status = commands.add_parser("status", help="the coordinator's worker pools: members, health, open sessions")
+    status.add_argument("address", nargs="?", default=COORDINATOR_ADDRESS)
+    status.add_argument("--json", action="store_true", help="print the GetStatus answer as JSON")
+    status.add_argument("--token", default=os.environ.get("SPECDEC_AUTH_TOKEN"), help="bearer token (env SPECDEC_AUTH_TOKEN)")
     health = commands.add_parser("health", help="exit 0 if the service at ADDRESS reports SERVING (for container health checks)")
     health.add_argument("address", nargs="?", default=COORDINATOR_ADDRESS)
     return parser
@@ -119,6 +124,42 @@ def run_generate(args) -> int:
     return 0
 
 
+def status_table(status) -> str:
+    from specdec.v1 import generation_pb2, worker_pb2
+
+    lines = [
+        f"target model {status.target_model}, draft model {status.draft_model or '-'}, {status.active_requests} requests running",
+        f"{'pool':<7}{'address':<28}{'health':<13}{'sessions':>9}{'ours':>6}{'placed':>8}  model / detail",
+    ]
+    for pool in status.pools:
+        role = worker_pb2.WorkerRole.Name(pool.role).removeprefix("WORKER_ROLE_").lower()
+        if not pool.members:
+            lines.append(f"{role:<7}{'(' + ', '.join(pool.configured) + ' resolves to nothing)':<28}")
+        for m in pool.members:
+            health = generation_pb2.MemberHealth.Name(m.health).removeprefix("MEMBER_HEALTH_").lower()
+            lines.append(
+                f"{role:<7}{m.address:<28}{health:<13}{m.sessions:>9}{m.coordinator_sessions:>6}{m.sessions_placed:>8}  "
+                f"{m.model_name}{'  ' + m.detail if m.detail else ''}"
+            )
+    return "\n".join(lines)
+
+
+def run_status(args) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from coordinator.client import GenerationClient
+
+    try:
+        with GenerationClient(args.address, token=args.token) as client:
+            status = client.status()
+    except grpc.RpcError as error:
+        print(f"specdec status: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(MessageToDict(status)) if args.json else status_table(status))
+    return 0
+
+
 def run_bench_command(args) -> int:
     import time
 
@@ -136,6 +177,10 @@ def run_bench_command(args) -> int:
         from bench.overhead import OverheadConfig, run_overhead
 
         out = run_overhead(OverheadConfig(name=name, quick=args.quick, **given))
+    elif args.suite == "scale":
+        from bench.scale import ScaleConfig, run_scale
+
+        out = run_scale(ScaleConfig(name=name, quick=args.quick, **given))
     elif args.suite == "performance":
         from bench.performance import PerformanceConfig, run_performance
 
@@ -162,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_generate(args)
     if args.command == "bench":
         return run_bench_command(args)
+    if args.command == "status":
+        return run_status(args)
     if args.command == "health":
         from coordinator.cluster import is_serving
 

@@ -7,13 +7,13 @@ import os
 import sys
 
 from common.config import DEFAULT_PORTS, DraftWorkerConfig, ServerOptions, WorkerConfig, add_arguments, from_arguments
-from coordinator.config import CoordinatorConfig, CoordinatorServerConfig
+from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, PoolSettings
 
 # The settings classes each role's flags come from; ServerOptions' flags are every role's.
 ROLE_SETTINGS = {
     "target": (WorkerConfig,),
     "draft": (DraftWorkerConfig,),
-    "coordinator": (CoordinatorServerConfig, CoordinatorConfig),
+    "coordinator": (CoordinatorServerConfig, CoordinatorConfig, PoolSettings),
 }
 ROLE_HELP = {
     "target": "the target worker: verifies drafted tokens with the large model",
@@ -69,7 +69,7 @@ def serve_role(args: argparse.Namespace, options: ServerOptions) -> int:
             print("specdec serve coordinator: --target host:port is required", file=sys.stderr)
             return 2
         try:
-            asyncio.run(serve(settings, options, from_arguments(args, CoordinatorConfig)))
+            asyncio.run(serve(settings, options, from_arguments(args, CoordinatorConfig), from_arguments(args, PoolSettings)))
         except IncompatibleWorkers as error:
             print(f"specdec coordinator refuses to start: {error}", file=sys.stderr)
             return 3

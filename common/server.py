@@ -54,10 +54,11 @@ STATUS_CODES = {
 
 
 async def create_server(
-    service: ServiceDescriptor, servicer, options: ServerOptions
+    service: ServiceDescriptor, servicer, options: ServerOptions, channel_options: tuple = ()
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """A server with the servicer, health (NOT_SERVING until the caller says otherwise) and reflection."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    """A server with the servicer, health (NOT_SERVING until the caller says otherwise) and reflection;
+    channel_options: gRPC options beyond GRPC_OPTIONS."""
+    server = grpc.aio.server(options=[*GRPC_OPTIONS, *channel_options])
     add_service(server, servicer, service)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -80,10 +81,10 @@ async def create_server(
 
 
 async def start_serving(
-    service: ServiceDescriptor, servicer, options: ServerOptions
+    service: ServiceDescriptor, servicer, options: ServerOptions, channel_options: tuple = ()
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A started server that reports SERVING at once: its engine is ready (tests, benchmarks, the coordinator)."""
-    server, health_servicer, bound = await create_server(service, servicer, options)
+    server, health_servicer, bound = await create_server(service, servicer, options, channel_options)
     await server.start()
     await set_serving(health_servicer, [service.full_name], True)
     return server, health_servicer, bound
@@ -152,12 +153,18 @@ def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-async def abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
+# Clients with a retry policy retry UNAVAILABLE (the Python client's does, on the next coordinator). A server that
+# already spent its own retries on a request sends this with its final UNAVAILABLE: gRPC does not retry a call
+# whose server pushes back by a negative delay.
+NO_RETRY = (("grpc-retry-pushback-ms", "-1"),)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: Exception, trailing_metadata=()) -> None:
     """Ends the call with the status that fits the engine's error; unexpected errors are logged as INTERNAL."""
     code = STATUS_CODES.get(type(error), grpc.StatusCode.INTERNAL)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error", exc_info=error)
-    await context.abort(code, str(error) or type(error).__name__)
+    await context.abort(code, str(error) or type(error).__name__, trailing_metadata)
 
 
 def require_loaded(engine: object) -> None:

@@ -55,18 +55,25 @@ def is_serving(address: str) -> bool:
 
 @dataclass
 class Cluster:
+    """The services as local processes: by default one of each role; targets, drafts and coordinators ask for more
+    (named target-0, target-1, ...), every coordinator serving over pools of all the workers."""
+
     target_model: str = DEFAULT_TARGET_MODEL
     draft_model: str | None = None
-    port: int = DEFAULT_PORTS["coordinator"]
+    port: int = DEFAULT_PORTS["coordinator"]  # the first coordinator's
     extra_coordinator_args: list[str] = field(default_factory=list)
     extra_worker_args: list[str] = field(default_factory=list)
-    target_args: list[str] = field(default_factory=list)  # for the target worker alone (e.g. --cpus 0 --threads 1)
+    target_args: list[str] = field(default_factory=list)  # for the target workers alone (e.g. --cpus 0 --threads 1)
     draft_args: list[str] = field(default_factory=list)
     device: str = WorkerConfig.device
     env: dict[str, str] = field(default_factory=dict)  # added to each service's environment (e.g. OTEL_*)
-    log_dir: pathlib.Path | None = None  # each service's output goes to <role>.log there instead of the terminal
+    log_dir: pathlib.Path | None = None  # each service's output goes to <name>.log there instead of the terminal
+    targets: int = 1
+    drafts: int = 1  # 0: no draft worker, the coordinators run target-only
+    coordinators: int = 1
+    instance_args: dict[str, list[str]] = field(default_factory=dict)  # by name, e.g. {"target-1": ["--cpus", "1"]}
     processes: list[subprocess.Popen] = field(default_factory=list)
-    by_role: dict[str, subprocess.Popen] = field(default_factory=dict)
+    by_role: dict[str, subprocess.Popen] = field(default_factory=dict)  # by name: the role, or role-i when several
     commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
     socket_dir: str | None = None  # the workers' Unix sockets
 
@@ -74,11 +81,11 @@ class Cluster:
     def address(self) -> str:
         return f"localhost:{self.port}"
 
-    def spawn(self, role: str, *args: str) -> subprocess.Popen:
-        self.commands[role] = args
-        output = open(self.log_dir / f"{role}.log", "ab") if self.log_dir else None  # noqa: SIM115 - the process owns it
+    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        self.commands[name] = args
+        output = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115 - the process owns it
         process = subprocess.Popen(
-            [*SERVE_COMMAND, role, *args],
+            [*SERVE_COMMAND, name.split("-")[0], *args],
             env={
                 **local_env(self.draft_model or default_draft_for(self.target_model)),
                 **os.environ,
@@ -89,65 +96,57 @@ class Cluster:
             stderr=subprocess.STDOUT if output else None,
         )
         self.processes.append(process)
-        self.by_role[role] = process
+        self.by_role[name] = process
         return process
 
-    def kill(self, role: str) -> None:
+    def kill(self, name: str) -> None:
         """SIGKILL, as a crash would: no graceful shutdown (for fault-injection tests)."""
-        self.by_role[role].kill()
-        self.by_role[role].wait()
+        self.by_role[name].kill()
+        self.by_role[name].wait()
 
-    def restart(self, role: str) -> subprocess.Popen:
-        """Starts the role again on the same port, with the same arguments."""
-        return self.spawn(role, *self.commands[role])
+    def restart(self, name: str) -> subprocess.Popen:
+        """Starts the service again on the same port, with the same arguments."""
+        return self.spawn(name, *self.commands[name])
+
+    @staticmethod
+    def names(role: str, count: int) -> list[str]:
+        return [role] if count == 1 else [f"{role}-{i}" for i in range(count)]
+
+    def spawn_worker(self, name: str, model: str, args: list[str]) -> str:
+        """Starts a worker on a TCP port (for health checks and restarts) and a Unix socket (for the coordinators:
+        same machine, no TCP stack on every round trip); returns the socket's address."""
+        port, socket_path = free_port(), f"{self.socket_dir}/{name}.sock"
+        self.addresses[name] = f"localhost:{port}"
+        self.spawn(
+            name,
+            *("--model", model, "--port", str(port), "--unix-socket", socket_path, "--device", self.device),
+            *self.extra_worker_args,
+            *args,
+            *self.instance_args.get(name, []),
+        )
+        return f"unix:{socket_path}"
 
     def start(self, timeout: float = 1800) -> None:
-        """Starts the three services and waits until the coordinator is SERVING. The timeout covers a cold first
-        start on the real pair: assembling its model files, loading, packing and calibrating both workers."""
+        """Starts the services and waits until every coordinator is SERVING. The timeout covers a cold first start
+        on the real pair: assembling its model files, loading, packing and calibrating both workers."""
         draft_model = self.draft_model or default_draft_for(self.target_model)
-        target_port, draft_port = free_port(), free_port()
-        self.target_address, self.draft_address = f"localhost:{target_port}", f"localhost:{draft_port}"
-        # The coordinator reaches the workers over Unix sockets: same machine, no TCP stack on every round trip.
         self.socket_dir = tempfile.mkdtemp(prefix="specdec-")
-        target_socket, draft_socket = f"{self.socket_dir}/target.sock", f"{self.socket_dir}/draft.sock"
-        self.spawn(
-            "target",
-            "--model",
-            self.target_model,
-            "--port",
-            str(target_port),
-            "--unix-socket",
-            target_socket,
-            "--device",
-            self.device,
-            *self.extra_worker_args,
-            *self.target_args,
-        )
-        self.spawn(
-            "draft",
-            "--model",
-            draft_model,
-            "--port",
-            str(draft_port),
-            "--unix-socket",
-            draft_socket,
-            "--device",
-            self.device,
-            *self.extra_worker_args,
-            *self.draft_args,
-        )
-        self.spawn(
-            "coordinator",
-            "--port",
-            str(self.port),
-            "--target",
-            f"unix:{target_socket}",
-            "--draft",
-            f"unix:{draft_socket}",
-            *self.extra_coordinator_args,
-        )
+        self.addresses: dict[str, str] = {}
+        targets = [self.spawn_worker(n, self.target_model, self.target_args) for n in self.names("target", self.targets)]
+        drafts = [self.spawn_worker(n, draft_model, self.draft_args) for n in self.names("draft", self.drafts)]
+        pools = ["--target", ",".join(targets)] + (["--draft", ",".join(drafts)] if drafts else [])
+        self.coordinator_addresses = []
+        for i, name in enumerate(self.names("coordinator", self.coordinators)):
+            port = self.port if i == 0 else free_port()
+            self.addresses[name] = f"localhost:{port}"
+            self.coordinator_addresses.append(self.addresses[name])
+            self.spawn(name, "--port", str(port), *pools, *self.extra_coordinator_args, *self.instance_args.get(name, []))
+        # One worker of each role answers at these (the first), as before pools.
+        self.target_address = self.addresses[self.names("target", self.targets)[0]]
+        if drafts:
+            self.draft_address = self.addresses[self.names("draft", self.drafts)[0]]
         deadline = time.monotonic() + timeout
-        while not is_serving(self.address):
+        while not all(is_serving(address) for address in self.coordinator_addresses):
             if any(p.poll() is not None for p in self.processes):
                 self.stop()
                 raise RuntimeError(

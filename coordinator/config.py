@@ -25,11 +25,12 @@ class CoordinatorConfig:
     server_address: str = setting("localhost", cli=False)  # set by the server once it listens
     server_port: int = setting(0, cli=False)
     draft_timeout: float = setting(2.0, "per-round deadline of the draft worker (s); missing it turns speculation off")
-    draft_retry_initial: float = setting(0.5, "first pause before a failed draft worker is tried again, doubling (s)", cli=False)
-    draft_retry_max: float = setting(30.0, "longest pause between tries of a failed draft worker (s)", cli=False)
     target_timeout: float = setting(60.0, "per-round deadline of the target worker (s)")
     target_retry_window: float = setting(30.0, "how long a request keeps reopening a failed target session (s)")
-    max_target_retries: int = setting(10, "most reopenings of a failed target session per request", cli=False)
+    max_target_retries: int = setting(
+        10, "most reopenings of a failed target session per request, and most tries of each reopening", cli=False
+    )
+    max_draft_reopens: int = setting(3, "most reopenings of a failed draft session per request", cli=False)
     overlap: bool = setting(
         False,
         "by default, draft round n+1 while the target verifies round n (pays when the workers run on separate devices or cores)",
@@ -40,8 +41,13 @@ class CoordinatorConfig:
 class CoordinatorServerConfig:
     """The coordinator process's settings beyond the engine's: its workers, tokenizer and admission."""
 
-    target: str | None = setting(None, "target worker address host:port (required)")
-    draft: str | None = setting(None, "draft worker address host:port (omit to run target-only)")
+    target: list[str] | None = setting(
+        None,
+        "target workers: host:port or unix:PATH, several (repeat the flag or separate by commas), or one "
+        "dns:///name:port re-resolved periodically, e.g. a Kubernetes headless Service (required)",
+        action="append",
+    )
+    draft: list[str] | None = setting(None, "draft workers, given as --target is (omit to run target-only)", action="append")
     tokenizer: str | None = setting(None, "tokenizer spec (default: the target worker's model)")
     max_concurrent_requests: int = setting(256, "more get RESOURCE_EXHAUSTED")
     auth_token: str | None = setting(None, "require 'authorization: Bearer TOKEN'", env="SPECDEC_AUTH_TOKEN")
@@ -55,3 +61,17 @@ class CoordinatorServerConfig:
         },
     )
     startup_timeout: float = setting(600.0, "seconds to wait for the target worker to report SERVING")
+
+
+@dataclass
+class PoolSettings:
+    """How the coordinator watches its worker pools (coordinator.pool)."""
+
+    poll_interval: float = setting(1.0, "seconds between two health and session-count polls of each worker")
+    resolve_interval: float = setting(5.0, "seconds between two resolutions of a dns:/// worker address")
+    poll_timeout: float = setting(2.0, "seconds a worker gets to answer a poll before it counts as unreachable")
+    first_answer_timeout: float = setting(10.0, "seconds to wait for a serving worker when a pool is first asked", cli=False)
+    retry_initial: float = setting(
+        0.5, "first pause before a worker whose session failed gets sessions again, doubling (s)", cli=False
+    )
+    retry_max: float = setting(30.0, "longest such pause (s)", cli=False)

@@ -43,7 +43,7 @@ from coordinator.round import (
     truncated,
 )
 from coordinator.types import FINISH_REASON_NAMES, GenerationParams, GenerationResult, RoundStats, TimeSplit
-from coordinator.workers import DraftSession, TargetSession, WorkerInfo, Workers
+from coordinator.workers import DraftSession, IncompatibleWorkers, TargetSession, WorkerInfo, Workers
 
 PROVIDER = "specdec"
 log = logging.getLogger("specdec.coordinator")
@@ -54,29 +54,6 @@ SEEDED_AUTO_GAMMA = 4  # auto for seeded sampling, which must not depend on timi
 
 def span_context(span: trace.Span) -> Context:
     return trace.set_span_in_context(span)
-
-
-class DraftAvailability:
-    """When to try the draft worker again after it failed: exponentially growing pauses, reset by a success."""
-
-    def __init__(self, initial: float = 0.5, maximum: float = 30.0):
-        self.initial, self.maximum = initial, maximum
-        self.delay = 0.0
-        self.retry_at = 0.0
-
-    def ready(self) -> bool:
-        return time.monotonic() >= self.retry_at
-
-    def failed(self) -> None:
-        self.delay = min(max(2 * self.delay, self.initial), self.maximum)
-        self.retry_at = time.monotonic() + self.delay
-
-    def succeeded(self) -> None:
-        self.delay, self.retry_at = 0.0, 0.0
-
-
-class IncompatibleWorkers(Exception):
-    """The draft and target cannot work together."""
 
 
 def check_pair(target: WorkerInfo, draft: WorkerInfo | None, tokenizer_fingerprint: str) -> None:
@@ -103,8 +80,7 @@ class GenerationEngine:
         self.draft = draft  # None until a configured draft worker has answered GetInfo
         self.draft_disabled = False
         self.config = config
-        self.metrics = CoordinatorMetrics()
-        self.draft_availability = DraftAvailability(config.draft_retry_initial, config.draft_retry_max)
+        self.metrics = CoordinatorMetrics(workers.status)
         self.measured_speed = MeasuredSpeed()
         self.running = 0  # requests in progress
 
@@ -149,8 +125,8 @@ class GenerationEngine:
         return attributes
 
     async def connect_draft(self) -> bool:
-        """True when the draft worker can be used now: known, compatible, and not backing off after a failure."""
-        if not self.workers.has_draft or self.draft_disabled or not self.draft_availability.ready():
+        """True when a draft worker can be used now: known, compatible, and not backing off after a failure."""
+        if not self.workers.has_draft or self.draft_disabled or not self.workers.draft_available():
             return False
         if self.draft is not None:
             return True
@@ -163,7 +139,6 @@ class GenerationEngine:
             return False
         except Exception as error:  # noqa: BLE001 - an absent draft only costs speed
             log.warning("draft worker unavailable (%s); serving target-only, retrying in a while", error)
-            self.draft_availability.failed()
             return False
         self.draft = draft
         self.measured_speed.forget_draft()
@@ -206,11 +181,12 @@ class GenerationEngine:
         raise RuntimeError("generation ended without a result")
 
 
-def derived_seed(seed: int | None, generation: int) -> int | None:
-    """The seed of a reopened target session: a fresh random stream, so no uniform is used twice in a request."""
+def derived_seed(seed: int | None, generation: int, stream: str = "reopen") -> int | None:
+    """The seed of a reopened session: a fresh random stream, so no uniform is used twice in a request (a stream
+    per worker role: "reopen" for the target, "reopen-draft" for the draft)."""
     if seed is None or generation == 0:
         return seed
-    digest = hashlib.blake2b(f"reopen:{generation}:{seed}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{stream}:{generation}:{seed}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -235,6 +211,8 @@ class RequestRun:
         self.target: TargetSession | None = None
         self.draft: DraftSession | None = None
         self.target_generation = 0
+        self.reopened = 0  # target sessions reopened after a failure
+        self.draft_reopens = 0  # draft sessions reopened after a failure
         self.fallback_reason = ""
         context_room = (
             engine.max_context_length - len(params.prompt_token_ids) if engine.max_context_length else params.max_new_tokens
@@ -248,20 +226,26 @@ class RequestRun:
         )
 
     def fall_back(self, reason: str, error: BaseException | None = None) -> None:
-        """Continues without speculation: a span event, a metric, and a pause before the draft is tried again."""
+        """Continues without speculation: a span event, a metric (once per request), and a pause before that draft
+        worker gets sessions again; another healthy one may take the request over (reopen_draft)."""
         detail = f"{type(error).__name__}: {error}" if error else reason
+        if not self.fallback_reason:
+            self.engine.metrics.record_fallback(reason)
         self.fallback_reason = self.fallback_reason or reason
         self.root.add_event("speculation.fallback", {"specdec.fallback.reason": reason, "exception.message": detail})
-        self.engine.metrics.record_fallback(reason)
         if error is not None:
-            log.warning("draft worker failed (%s); finishing the request target-only", detail)
-            self.engine.draft_availability.failed()
+            log.warning("draft worker failed (%s); the request goes on without it", detail)
+            if self.draft is not None:
+                self.engine.workers.failed(self.draft, detail)
         if self.draft is not None:
             asyncio.ensure_future(close_all(self.draft))
         self.draft = None
 
-    async def open_target(self, committed: list[int], parent: Context, first_error: BaseException | None = None) -> None:
-        """(Re)opens the target session on prompt + committed tokens, retrying with backoff within the time limit."""
+    async def open_target(
+        self, committed: list[int], parent: Context, first_error: BaseException | None = None, like: TargetSession | None = None
+    ) -> None:
+        """(Re)opens the target session on prompt + committed tokens, retrying with backoff within the time limit.
+        like: the failed session it replaces (the new one runs the same model with the same numerics)."""
         until = time.monotonic() + self.config.target_retry_window
         if self.deadline is not None:
             # Answer UNAVAILABLE a moment before the caller's own deadline, so it learns what failed.
@@ -272,7 +256,7 @@ class RequestRun:
             remaining = until - time.monotonic()
             try:
                 opening = self.engine.workers.open_target(
-                    self.params.prompt_token_ids + committed, sampling, self.config.num_p_entries, parent
+                    self.params.prompt_token_ids + committed, sampling, self.config.num_p_entries, parent, like
                 )
                 self.target = await asyncio.wait_for(opening, max(0.05, min(remaining, self.config.target_timeout)))
                 return
@@ -297,7 +281,11 @@ class RequestRun:
         if use_draft:
             draft_opening = asyncio.ensure_future(
                 self.engine.workers.open_draft(
-                    self.params.prompt_token_ids, self.params.sampling, self.config.max_q_entries, parent
+                    self.params.prompt_token_ids,
+                    self.params.sampling,
+                    self.config.max_q_entries,
+                    parent,
+                    self.config.draft_timeout,
                 )
             )
         try:
@@ -311,11 +299,34 @@ class RequestRun:
             # Both prefill concurrently; the draft gets its round deadline beyond the target's prefill.
             try:
                 self.draft = await asyncio.wait_for(draft_opening, self.config.draft_timeout)
-                self.engine.draft_availability.succeeded()
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
                 self.fall_back("draft_open_failed", error)
+
+    async def reopen_draft(self) -> bool:
+        """After a draft worker failed mid-request: a draft session on another healthy draft worker, prefilled with
+        the prompt and every committed token, so that the request speculates again (a few tries per request)."""
+        if self.draft_reopens >= self.config.max_draft_reopens or not self.engine.workers.draft_available():
+            return False
+        self.draft_reopens += 1
+        sampling = replace(self.params.sampling, seed=derived_seed(self.params.sampling.seed, self.draft_reopens, "reopen-draft"))
+        try:
+            opening = self.engine.workers.open_draft(
+                self.params.prompt_token_ids + self.output.token_ids,
+                sampling,
+                self.config.max_q_entries,
+                self.root_context,
+                self.config.draft_timeout,
+            )
+            self.draft = await asyncio.wait_for(opening, self.config.draft_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
+            self.fall_back("draft_open_failed", error)
+            return False
+        self.root.add_event("draft.reopen", {"specdec.committed_tokens": len(self.output.token_ids)})
+        return True
 
     async def propose(
         self, num_accepted: int, committed: list[int], g: int, parent: Context, assume_accepted: bool = False
@@ -339,11 +350,20 @@ class RequestRun:
                 async with asyncio.timeout(self.config.target_timeout):
                     return await self.target.verify(drafted, dists, parent)
             except (TimeoutError, Unavailable) as error:
-                log.warning("target session failed (%s); reopening it on %d committed tokens", error, len(self.output.token_ids))
-                self.root.add_event("target.reopen", {"exception.message": f"{type(error).__name__}: {error}"})
+                detail = f"{type(error).__name__}: {error}"
+                self.engine.workers.failed(self.target, detail)
                 await close_all(self.target)
+                if self.reopened >= self.config.max_target_retries:
+                    # A request whose rounds keep failing workers (a query of death) must not walk through the pool.
+                    raise Unavailable(
+                        f"target worker unavailable: {self.reopened} reopened sessions failed (last: {detail})"
+                    ) from None
+                log.warning("target session failed (%s); reopening it on %d committed tokens", detail, len(self.output.token_ids))
+                self.root.add_event("target.reopen", {"exception.message": detail})
+                self.engine.metrics.reopened.add(1, {"gen_ai.request.model": self.engine.target.model_name})
+                self.reopened += 1
                 self.target_generation += 1
-                await self.open_target(self.output.token_ids, parent, error)
+                await self.open_target(self.output.token_ids, parent, error, like=self.target)
 
     def make_policy(self):
         gamma = self.params.num_speculative_tokens
@@ -405,6 +425,8 @@ class RequestRun:
             round_start = time.perf_counter()
             while not output.finished:
                 raise_if_cancelled()
+                if speculating and self.draft is None and await self.reopen_draft():
+                    sync, ready = DraftSync(), None  # the new session holds every committed token
                 room = output.remaining - 1
                 if ready is not None:
                     ready = truncated(ready, room)
@@ -456,6 +478,7 @@ class RequestRun:
                 "specdec.drafted_tokens": result.drafted_tokens,
                 "specdec.accepted_tokens": result.accepted_tokens,
                 "specdec.overlapped_rounds": result.overlapped_rounds,
+                "specdec.target.reopened_sessions": self.reopened,
                 **totals.attributes("specdec.time"),
             }
         )

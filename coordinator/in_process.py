@@ -60,13 +60,35 @@ class InProcessWorkers:
     async def draft_info(self) -> WorkerInfo | None:
         return WorkerInfo(**self.draft.info()) if self.draft else None
 
+    def draft_available(self) -> bool:
+        return self.has_draft
+
+    async def accept_tokenizer(self, fingerprint: str) -> None:
+        pass
+
+    def failed(self, session, detail: str) -> None:
+        pass
+
+    def status(self) -> list:
+        return []
+
     async def open_target(
-        self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        num_p_entries: int,
+        parent: Context | None = None,
+        like: TargetSession | None = None,
     ) -> TargetSession:
         return InProcessTargetSession(self.target, prompt, params, num_p_entries, parent)
 
     async def open_draft(
-        self, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        max_q_entries: int,
+        parent: Context | None = None,
+        timeout: float | None = None,
     ) -> DraftSession:
         return InProcessDraftSession(self.draft, prompt, params, max_q_entries, parent)
 

@@ -1,8 +1,12 @@
 """The coordinator's OpenTelemetry metrics: GenAI server metrics and what speculation did (names in README)."""
 
 from collections import Counter
+from collections.abc import Callable
+
+from opentelemetry.metrics import Observation
 
 from common.telemetry import meter
+from coordinator.pool import Health
 
 # Bucket boundaries in seconds for latencies, as the GenAI semantic conventions advise.
 DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
@@ -10,7 +14,9 @@ TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 
 
 class CoordinatorMetrics:
-    def __init__(self):
+    def __init__(self, pools: Callable[[], list] = list):
+        """pools: the worker pools (coordinator.pool.WorkerPool) whose state is observed at each collection."""
+        self.pools = pools
         m = meter()
         self.request_duration = m.create_histogram(
             "gen_ai.server.request.duration",
@@ -66,6 +72,36 @@ class CoordinatorMetrics:
             unit="{request}",
             description="Requests that asked for speculation but ran target-only",
         )
+        self.reopened = m.create_counter(
+            "specdec.target.reopened_sessions",
+            unit="{session}",
+            description="Target sessions reopened (on another worker if one is healthy) after their worker failed",
+        )
+        m.create_observable_gauge(
+            "specdec.pool.members",
+            [self.observe_members],
+            unit="{worker}",
+            description="Workers of each pool, by health (serving, not_serving, unreachable, refused, unknown)",
+        )
+        m.create_observable_gauge(
+            "specdec.pool.sessions",
+            [self.observe_sessions],
+            unit="{session}",
+            description="Open sessions on each pool member (its last report, corrected by this coordinator's since)",
+        )
+
+    def observe_members(self, options=None):
+        for pool in self.pools():
+            by_health = Counter(m.health.value for m in list(pool.members.values()))
+            for health in Health:
+                yield Observation(
+                    by_health[health.value], {"specdec.worker.role": pool.role, "specdec.worker.health": health.value}
+                )
+
+    def observe_sessions(self, options=None):
+        for pool in self.pools():
+            for member in list(pool.members.values()):  # the event loop may add or drop members meanwhile
+                yield Observation(member.sessions, {"specdec.worker.role": pool.role, "server.address": member.address})
 
     def record_fallback(self, reason: str) -> None:
         self.fallbacks.add(1, {"specdec.fallback.reason": reason})

@@ -11,17 +11,21 @@ import grpc
 
 from common.errors import ResourceExhausted, Unauthenticated
 from common.models import load_tokenizer
-from common.server import Lifecycle, ServerOptions, abort_with, run_until_signalled, start_serving
+from common.server import NO_RETRY, Lifecycle, ServerOptions, abort_with, run_until_signalled, start_serving
 from common.services import check_parsed
 from common.telemetry import context_from
-from coordinator.config import CoordinatorConfig, CoordinatorServerConfig
+from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, PoolSettings
 from coordinator.engine import GenerationEngine, check_pair
-from coordinator.requests import params_of, response_of, stream_message_of
-from coordinator.worker_clients import GrpcWorkers, wait_until_serving
+from coordinator.requests import params_of, response_of, status_of, stream_message_of
+from coordinator.worker_clients import GrpcWorkers
 from coordinator.workers import WorkerInfo, Workers
 from specdec.v1 import generation_pb2
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
+# A client's connection is closed after a few minutes (its calls in progress finish first), so that a client that
+# balances over every coordinator a name resolves to (round_robin over dns:///) resolves again and reaches the
+# coordinators added since: gRPC re-resolves a name only when a connection ends.
+CONNECTION_AGE = (("grpc.max_connection_age_ms", 300_000), ("grpc.max_connection_age_grace_ms", 3_600_000))
 log = logging.getLogger("specdec.coordinator")
 
 
@@ -63,18 +67,33 @@ class GenerationServicer:
             self.active_requests -= 1
 
     async def Generate(self, request, context):
+        admitted = False
         try:
             with self.admitted(request, context) as params:
+                admitted = True
                 result = await self.engine.generate_all(params, client_trace_context(context), context.time_remaining())
                 return response_of(result, request.include_rounds)
         except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
-            await abort_with(context, error)
+            # A refusal at admission (draining) is for the client to retry elsewhere; a request that ran has
+            # already had its retries on the workers.
+            await abort_with(context, error, NO_RETRY if admitted else ())
 
     async def GenerateStream(self, request, context):
+        admitted = False
         try:
             with self.admitted(request, context) as params:
+                admitted = True
                 async for event in self.engine.generate(params, client_trace_context(context), context.time_remaining()):
                     yield stream_message_of(event, request.include_rounds)
+        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
+            await abort_with(context, error, NO_RETRY if admitted else ())
+
+    async def GetStatus(self, request, context):
+        try:
+            self.authenticate(context)
+            engine = self.engine
+            draft = engine.draft.model_name if engine.draft else ""
+            return status_of(engine.workers.status(), self.active_requests, engine.target.model_name, draft)
         except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
             await abort_with(context, error)
 
@@ -87,20 +106,25 @@ def default_gamma_for(has_draft: bool) -> int:
 async def build_engine(
     workers: Workers, config: CoordinatorConfig, tokenizer_spec: str | None = None, tokenizer=None, draft_timeout: float = 10.0
 ) -> GenerationEngine:
-    """Reads both workers' info, loads the target's tokenizer and refuses an incompatible pair.
+    """Reads the workers' info, loads the target's tokenizer and refuses workers that do not share it.
 
-    The target must answer; a draft worker that does not is connected later, by the first requests after it is up.
+    A target must answer; a draft worker that does not is connected later, by the first requests after it is up.
     """
+    if tokenizer is None and tokenizer_spec:
+        tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_spec)
+    if tokenizer is not None:  # given: the workers that fit it are the deployment
+        await workers.accept_tokenizer(tokenizer.fingerprint)
     target = await workers.target_info()
+    if tokenizer is None:  # the first target worker's model says which tokenizer the deployment has
+        tokenizer = await asyncio.to_thread(load_tokenizer, target.model_name)
+        check_pair(target, None, tokenizer.fingerprint)
+        await workers.accept_tokenizer(tokenizer.fingerprint)
     draft: WorkerInfo | None = None
     if workers.has_draft:
         try:
             draft = await asyncio.wait_for(workers.draft_info(), draft_timeout)
         except Exception as error:  # noqa: BLE001 - the coordinator serves target-only until the draft is up
             log.warning("draft worker not reachable at start-up (%s); serving target-only until it is", error)
-    if tokenizer is None:
-        tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_spec or target.model_name)
-    check_pair(target, draft, tokenizer.fingerprint)
     if config.default_num_speculative_tokens is None:
         config.default_num_speculative_tokens = default_gamma_for(workers.has_draft)
     return GenerationEngine(workers, tokenizer, target, draft, config)
@@ -112,7 +136,7 @@ def advertised_host(host: str) -> str:
 
 async def launch(engine: GenerationEngine, options: ServerOptions, max_concurrent_requests: int, auth_token: str | None):
     servicer = GenerationServicer(engine, max_concurrent_requests, auth_token)
-    server, health_servicer, bound = await start_serving(SERVICE, servicer, options)
+    server, health_servicer, bound = await start_serving(SERVICE, servicer, options, CONNECTION_AGE)
     engine.config.server_address, engine.config.server_port = advertised_host(options.host), bound
     return server, health_servicer, bound, servicer.lifecycle
 
@@ -128,26 +152,28 @@ async def start_coordinator_server(
     return server, bound
 
 
-async def serve(settings: CoordinatorServerConfig, options: ServerOptions, config: CoordinatorConfig) -> None:
-    """Runs the coordinator until SIGTERM: waits for the target worker (and briefly the draft), checks the pair,
-    then serves. settings.target is required."""
-    target, draft, worker_tls = settings.target, settings.draft, settings.worker_tls
-    await wait_until_serving(target, settings.startup_timeout, worker_tls)
-    if draft:
+async def serve(
+    settings: CoordinatorServerConfig, options: ServerOptions, config: CoordinatorConfig, pools: PoolSettings | None = None
+) -> None:
+    """Runs the coordinator until SIGTERM: waits for a target worker (and briefly a draft), checks the workers'
+    tokenizers, then serves. settings.target is required."""
+    workers = GrpcWorkers(settings.target, settings.draft, settings.worker_tls, pools)
+    await workers.target_info(settings.startup_timeout)
+    if workers.has_draft:
         # The draft gets a little longer than the target to come up; after that the coordinator starts without it.
         with contextlib.suppress(Exception):
-            await wait_until_serving(draft, 15, worker_tls)
-    workers = GrpcWorkers(target, draft, worker_tls)
+            await workers.draft_info(15)
     engine = await build_engine(workers, config, settings.tokenizer)
     server, health_servicer, bound, lifecycle = await launch(
         engine, options, settings.max_concurrent_requests, settings.auth_token
     )
     log.info(
-        "coordinator serving on port %d: target %s (%s), draft %s, gamma %d",
+        "coordinator serving on port %d: target %s (%s), draft %s (%s), gamma %d",
         bound,
         engine.target.model_name,
-        target,
-        engine.draft.model_name if engine.draft else (f"{draft} (not connected yet)" if draft else "none"),
+        ", ".join(workers.target_pool.configured),
+        engine.draft.model_name if engine.draft else "not connected yet" if workers.has_draft else "none",
+        ", ".join(workers.draft_pool.configured) if workers.draft_pool else "-",
         config.default_num_speculative_tokens,
     )
     await run_until_signalled(server, health_servicer, [SERVICE.full_name], options.grace_period, lifecycle)

@@ -1,9 +1,9 @@
 """Workers over gRPC: each session is one bidirectional stream (DraftService.Draft, TargetService.Verify)."""
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
@@ -13,7 +13,10 @@ from common.rounds import Proposal, Verdict
 from common.sampling import SamplingParams, SparseDistribution
 from common.server import CHANNEL_OPTIONS
 from common.tls import TlsFiles, channel_credentials
-from coordinator.workers import WorkerInfo
+from coordinator.addresses import parse_addresses
+from coordinator.config import PoolSettings
+from coordinator.pool import Health, Member, WorkerPool, identity
+from coordinator.workers import IncompatibleWorkers, WorkerInfo
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, worker_pb2
 
 INFO_FIELDS = [f.name for f in worker_pb2.GetInfoResponse.DESCRIPTOR.fields if f.name != "role"]
@@ -24,6 +27,13 @@ def info_from_proto(msg: worker_pb2.GetInfoResponse) -> WorkerInfo:
     fields["eos_token_ids"] = list(msg.eos_token_ids)
     fields["forward_costs"] = [(c.tokens, c.milliseconds) for c in msg.forward_costs]
     return WorkerInfo(**fields)
+
+
+# How gRPC core reports a stream whose call failed under a write, as when the worker stopped and cut it (its grace
+# period ran out while it drained): treated as the worker going away, as UNAVAILABLE is, so that the session is
+# reopened on another worker. A worker that keeps failing this way is tried a bounded number of times per request
+# (CoordinatorConfig.max_target_retries).
+CUT_BY_SERVER = (grpc.StatusCode.INTERNAL, "Internal error from Core")
 
 
 def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> Exception:
@@ -40,7 +50,7 @@ def error_from_status(code: grpc.StatusCode, details: str | None, worker: str) -
         return InvalidArgument(worker, details or "rejected")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhausted(f"{worker} worker: {details}")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (code, details) == CUT_BY_SERVER:
         return Unavailable(f"{worker} worker: {details or code.name}")
     return WorkerFailed(f"{worker} worker failed: {code.name}: {details}")
 
@@ -52,14 +62,30 @@ def wire_form(dist: SparseDistribution | worker_pb2.SparseDistribution) -> worke
 
 
 class StreamSession:
-    """One bidirectional stream used as request/response pairs."""
+    """One bidirectional stream used as request/response pairs, on one member of a worker pool."""
 
     worker = "worker"
+    rpc = ""  # the stub's method that opens the stream
 
-    def __init__(self, call):
+    def __init__(self, call, member: Member | None = None):
         self.call = call
+        self.member = member
+        # What the session's output depends on (see pool.identity): a reopened session keeps it.
+        self.identity = identity(member.info) if member is not None and member.info is not None else None
         self.prefill_us = 0
         self.interrupted = False  # an exchange was cancelled between its write and its read
+        if member is not None:
+            member.acquire()
+
+    def release(self) -> None:
+        """Gives the session's place on its member back (once)."""
+        if self.member is not None:
+            self.member.release()
+            self.member = None
+
+    def abandon(self) -> None:
+        self.call.cancel()
+        self.release()
 
     async def exchange(self, request, parent: Context | None):
         """Sends one message carrying the parent span's trace context; returns the answer and both sizes in bytes."""
@@ -83,6 +109,12 @@ class StreamSession:
     async def close(self) -> None:
         """Half-closes the stream so that the worker frees the session, and waits for it to finish. A stream whose
         last exchange was interrupted is cancelled instead: its unread answer can keep it from finishing."""
+        try:
+            await self.finish()
+        finally:
+            self.release()
+
+    async def finish(self) -> None:
         if self.interrupted:
             self.call.cancel()
             return
@@ -102,6 +134,7 @@ class StreamSession:
 
 class GrpcTargetSession(StreamSession):
     worker = "target"
+    rpc = "Verify"
 
     async def open(
         self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None
@@ -138,6 +171,7 @@ class GrpcTargetSession(StreamSession):
 
 class GrpcDraftSession(StreamSession):
     worker = "draft"
+    rpc = "Draft"
 
     async def open(
         self, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None
@@ -176,74 +210,156 @@ class GrpcDraftSession(StreamSession):
         )
 
 
-def open_channel(address: str, tls: TlsFiles | None) -> grpc.aio.Channel:
-    """A channel to a worker: mutual TLS when certificate files are given, plain otherwise."""
+def open_channel(address: str, tls: TlsFiles | None, server_name: str | None = None) -> grpc.aio.Channel:
+    """A channel to a worker: mutual TLS when certificate files are given, plain otherwise. server_name: the name
+    the worker's certificate must carry, when the address is an IP resolved from that name."""
     if tls is not None and tls.enabled:
-        return grpc.aio.secure_channel(address, channel_credentials(tls), options=CHANNEL_OPTIONS)
+        options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name)] if server_name else CHANNEL_OPTIONS
+        return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
+def accepts_tokenizer(fingerprint: str, model_free_fits: bool) -> Callable[[WorkerInfo], str]:
+    """A pool's test of a member's tokenizer: why the member does not fit ('' if it does). A model-free draft
+    (no fingerprint) works on token ids and fits any tokenizer."""
+
+    def refusal(info: WorkerInfo) -> str:
+        if info.tokenizer_fingerprint == fingerprint or (model_free_fits and not info.tokenizer_fingerprint):
+            return ""
+        return (
+            f"it and the deployment use different tokenizers (fingerprints {info.tokenizer_fingerprint or 'none'} and "
+            f"{fingerprint}); speculative decoding needs every worker to share one vocabulary"
+        )
+
+    return refusal
+
+
 class GrpcWorkers:
-    """Channels to a target worker and, optionally, a draft worker."""
+    """Pools of target workers and, optionally, draft workers; a session is placed on one member when it opens.
 
-    def __init__(self, target_address: str, draft_address: str | None, tls: TlsFiles | None = None):
-        self.target_channel = open_channel(target_address, tls)
-        self.draft_channel = open_channel(draft_address, tls) if draft_address else None
-        self.has_draft = draft_address is not None
-        self.target_stub = target_pb2_grpc.TargetServiceStub(self.target_channel)
-        self.draft_stub = draft_pb2_grpc.DraftServiceStub(self.draft_channel) if self.draft_channel else None
+    target, draft: an address, several (a list, or comma-separated), or one dns:///name:port target.
+    """
 
-    async def target_info(self) -> WorkerInfo:
-        return await self.info(self.target_stub, "target")
+    def __init__(
+        self,
+        target: str | list[str],
+        draft: str | list[str] | None,
+        tls: TlsFiles | None = None,
+        settings: PoolSettings | None = None,
+    ):
+        def pool(role: str, addresses: list[str], stub_class) -> WorkerPool:
+            return WorkerPool(role, addresses, open_channel, stub_class, info_from_proto, tls, settings)
 
-    async def draft_info(self) -> WorkerInfo | None:
-        return await self.info(self.draft_stub, "draft") if self.draft_stub else None
+        self.target_pool = pool("target", parse_addresses(target), target_pb2_grpc.TargetServiceStub)
+        draft_addresses = parse_addresses(draft)
+        self.draft_pool = pool("draft", draft_addresses, draft_pb2_grpc.DraftServiceStub) if draft_addresses else None
+        self.has_draft = self.draft_pool is not None
+        self.pools = [p for p in (self.target_pool, self.draft_pool) if p is not None]
 
-    async def info(self, stub, worker: str) -> WorkerInfo:
-        try:
-            return info_from_proto(await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10))
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error, worker) from None
+    async def target_info(self, timeout: float | None = None) -> WorkerInfo:
+        return await self.target_pool.info(self.target_pool.settings.first_answer_timeout if timeout is None else timeout)
+
+    async def draft_info(self, timeout: float | None = None) -> WorkerInfo | None:
+        if self.draft_pool is None:
+            return None
+        return await self.draft_pool.info(self.draft_pool.settings.first_answer_timeout if timeout is None else timeout)
+
+    def draft_available(self) -> bool:
+        if self.draft_pool is None:
+            return False
+        self.draft_pool.start()
+        return bool(self.draft_pool.usable())
+
+    async def accept_tokenizer(self, fingerprint: str) -> None:
+        """From now on each pool takes only members with this tokenizer; refuses to start when no target fits,
+        or when draft workers answer and none fits."""
+        self.target_pool.accept = accepts_tokenizer(fingerprint, model_free_fits=False)
+        await self.target_pool.recheck()
+        if self.draft_pool is not None:
+            self.draft_pool.accept = accepts_tokenizer(fingerprint, model_free_fits=True)
+            await self.draft_pool.recheck()
+        for pool in self.pools:
+            refused = [m for m in pool.members.values() if m.health is Health.REFUSED]
+            if refused and not pool.usable():
+                first = refused[0]
+                raise IncompatibleWorkers(f"no {pool.role} worker fits: {first.address} ({first.info.model_name}) {first.detail}")
+
+    def failed(self, session: StreamSession, detail: str) -> None:
+        """A session failed or missed its deadline: its member gets no new sessions for a while."""
+        if session.member is not None:
+            session.member.failed(detail)
+
+    def status(self) -> list[WorkerPool]:
+        return self.pools
 
     async def open_target(
-        self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        num_p_entries: int,
+        parent: Context | None = None,
+        like: GrpcTargetSession | None = None,
     ) -> GrpcTargetSession:
-        # wait_for_ready: a target worker that is restarting is waited for (within the caller's timeout), not failed.
-        session = GrpcTargetSession(self.target_stub.Verify(wait_for_ready=True))
-        return await opened_or_closed(session, session.open(prompt, params, num_p_entries, parent))
+        """like: the failed session this one replaces; the new one goes to a worker of the same model and numerics.
+        A pool with no healthy member still tries one that may be restarting or recovering, waiting for it to be
+        ready (within the caller's timeout) rather than failing at once."""
+        same_as = like.identity if like is not None else None
+        return await open_on_pool(
+            self.target_pool, GrpcTargetSession, lambda s: s.open(prompt, params, num_p_entries, parent), True, same_as
+        )
 
     async def open_draft(
-        self, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        max_q_entries: int,
+        parent: Context | None = None,
+        timeout: float | None = None,
     ) -> GrpcDraftSession:
-        session = GrpcDraftSession(self.draft_stub.Draft())
-        return await opened_or_closed(session, session.open(prompt, params, max_q_entries, parent))
+        """timeout: what each draft worker gets to open the session; one that misses it is backed off, as a
+        failed one is, and the next is tried."""
+        return await open_on_pool(
+            self.draft_pool, GrpcDraftSession, lambda s: s.open(prompt, params, max_q_entries, parent), timeout=timeout
+        )
 
     async def close(self) -> None:
-        await self.target_channel.close()
-        if self.draft_channel:
-            await self.draft_channel.close()
+        await asyncio.gather(*(pool.close() for pool in self.pools))
 
 
-async def opened_or_closed(session: StreamSession, opening):
-    try:
-        return await opening
-    except BaseException:
-        session.call.cancel()
-        raise
-
-
-async def wait_until_serving(address: str, timeout: float, tls: TlsFiles | None = None) -> None:
-    """Polls the standard health service until the server reports SERVING (its model is loaded)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    async with open_channel(address, tls) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                response = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            if asyncio.get_running_loop().time() > deadline:
-                raise Unavailable(f"{address} did not report SERVING within {timeout:.0f} s")
-            await asyncio.sleep(0.2)
+async def open_on_pool(
+    pool: WorkerPool, session_class, opening, fallback: bool = False, same_as: tuple | None = None, timeout: float | None = None
+):
+    """Opens a session on the pool's least-loaded member. A member that fails to open it (or misses the timeout) is
+    marked failed, and a full one skipped, and the next one tried, until each was tried once."""
+    pool.start()
+    tried: set[str] = set()
+    last_error: Exception | None = None
+    while True:
+        try:
+            member = pool.pick(tried, fallback=fallback, same_as=same_as)
+        except Unavailable:
+            if last_error is not None:
+                raise last_error from None
+            raise
+        tried.add(member.address)
+        session = session_class(getattr(member.stub, session_class.rpc)(wait_for_ready=not member.usable), member)
+        try:
+            async with asyncio.timeout(timeout):
+                opened = await opening(session)
+        except (Unavailable, TimeoutError) as error:
+            session.abandon()
+            detail = str(error) or f"did not open a session within {timeout} s"
+            member.failed(detail)
+            last_error = (
+                error if isinstance(error, Unavailable) else Unavailable(f"{pool.role} worker {member.address}: {detail}")
+            )
+            continue
+        except ResourceExhausted as error:
+            session.abandon()
+            last_error = error
+            continue
+        except BaseException:
+            session.abandon()
+            raise
+        member.backoff.succeeded()
+        return opened

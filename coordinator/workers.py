@@ -17,6 +17,10 @@ from common.rounds import Proposal, Verdict
 from common.sampling import SamplingParams, SparseDistribution
 
 
+class IncompatibleWorkers(Exception):
+    """The workers cannot work together (their tokenizers differ)."""
+
+
 @dataclass
 class WorkerInfo:
     model_name: str
@@ -63,12 +67,34 @@ class Workers(Protocol):
 
     async def draft_info(self) -> WorkerInfo | None: ...
 
+    def draft_available(self) -> bool:
+        """A draft worker can take a session now (one is healthy and not backing off after a failure)."""
+
+    async def accept_tokenizer(self, fingerprint: str) -> None:
+        """Only workers with this tokenizer get sessions; raises IncompatibleWorkers when none fits."""
+
+    def failed(self, session, detail: str) -> None:
+        """The session's worker failed it (an error, a missed deadline): it gets no new sessions for a while."""
+
+    def status(self) -> list:
+        """The worker pools (coordinator.pool.WorkerPool), for the status API and metrics."""
+
     async def open_target(
-        self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        num_p_entries: int,
+        parent: Context | None = None,
+        like: TargetSession | None = None,  # a failed session this one replaces: same model, same numerics
     ) -> TargetSession: ...
 
     async def open_draft(
-        self, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        max_q_entries: int,
+        parent: Context | None = None,
+        timeout: float | None = None,  # per draft worker tried
     ) -> DraftSession: ...
 
     async def close(self) -> None: ...

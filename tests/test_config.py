@@ -114,7 +114,7 @@ def test_flags_reach_the_settings(clean_env):
     options = from_arguments(args, ServerOptions)
     assert (options.port, options.grace_period, options.tls) == (7, 1.0, TlsFiles("c.pem", "k.pem", None))
     server = from_arguments(args, CoordinatorServerConfig)
-    assert (server.target, server.draft, server.max_concurrent_requests) == ("t:1", "d:2", 9)
+    assert (server.target, server.draft, server.max_concurrent_requests) == (["t:1"], ["d:2"], 9)
     assert server.worker_tls == TlsFiles(None, None, "ca.pem")
     config = from_arguments(args, CoordinatorConfig)
     assert (config.default_num_speculative_tokens, config.overlap, config.draft_timeout) == (3, True, 0.5)

@@ -1,3 +1,4 @@
+from specdec.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -19,6 +20,14 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
+
+class MemberHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMBER_HEALTH_UNSPECIFIED: _ClassVar[MemberHealth]
+    MEMBER_HEALTH_SERVING: _ClassVar[MemberHealth]
+    MEMBER_HEALTH_NOT_SERVING: _ClassVar[MemberHealth]
+    MEMBER_HEALTH_UNREACHABLE: _ClassVar[MemberHealth]
+    MEMBER_HEALTH_REFUSED: _ClassVar[MemberHealth]
 GAMMA_SCHEDULE_UNSPECIFIED: GammaSchedule
 GAMMA_SCHEDULE_COST_MODEL: GammaSchedule
 GAMMA_SCHEDULE_HEURISTIC: GammaSchedule
@@ -26,6 +35,11 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
+MEMBER_HEALTH_UNSPECIFIED: MemberHealth
+MEMBER_HEALTH_SERVING: MemberHealth
+MEMBER_HEALTH_NOT_SERVING: MemberHealth
+MEMBER_HEALTH_UNREACHABLE: MemberHealth
+MEMBER_HEALTH_REFUSED: MemberHealth
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -190,3 +204,49 @@ class GenerateStreamResponse(_message.Message):
     delta: GenerateDelta
     final: GenerateResponse
     def __init__(self, delta: _Optional[_Union[GenerateDelta, _Mapping]] = ..., final: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolMember(_message.Message):
+    __slots__ = ("address", "health", "model_name", "sessions", "coordinator_sessions", "max_sessions", "sessions_placed", "detail")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_PLACED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    health: MemberHealth
+    model_name: str
+    sessions: int
+    coordinator_sessions: int
+    max_sessions: int
+    sessions_placed: int
+    detail: str
+    def __init__(self, address: _Optional[str] = ..., health: _Optional[_Union[MemberHealth, str]] = ..., model_name: _Optional[str] = ..., sessions: _Optional[int] = ..., coordinator_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sessions_placed: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class WorkerPool(_message.Message):
+    __slots__ = ("role", "configured", "members")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    role: _worker_pb2.WorkerRole
+    configured: _containers.RepeatedScalarFieldContainer[str]
+    members: _containers.RepeatedCompositeFieldContainer[PoolMember]
+    def __init__(self, role: _Optional[_Union[_worker_pb2.WorkerRole, str]] = ..., configured: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[PoolMember, _Mapping]]] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("pools", "active_requests", "target_model", "draft_model")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[WorkerPool]
+    active_requests: int
+    target_model: str
+    draft_model: str
+    def __init__(self, pools: _Optional[_Iterable[_Union[WorkerPool, _Mapping]]] = ..., active_requests: _Optional[int] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ...) -> None: ...

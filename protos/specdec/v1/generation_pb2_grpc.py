@@ -45,6 +45,11 @@ class GenerationServiceStub:
                 request_serializer=specdec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/specdec.v1.GenerationService/GetStatus',
+                request_serializer=specdec_dot_v1_dot_generation__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_generation__pb2.GetStatusResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -65,6 +70,13 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """The deployment as this coordinator sees it: its worker pools, each member's health and open sessions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +89,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=specdec_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_generation__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=specdec_dot_v1_dot_generation__pb2.GetStatusRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_generation__pb2.GetStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,33 @@ class GenerationService:
             '/specdec.v1.GenerationService/GenerateStream',
             specdec_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             specdec_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.GenerationService/GetStatus',
+            specdec_dot_v1_dot_generation__pb2.GetStatusRequest.SerializeToString,
+            specdec_dot_v1_dot_generation__pb2.GetStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
