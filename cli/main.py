@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-model", help="default: the best draft the project has for the target (ngram for smollm2-135m)")
     up.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"], help="the coordinator's (default: %(default)s)")
     up.add_argument("--device", default=WorkerConfig.device, help="both workers' (default: %(default)s)")
+    up.add_argument(
+        "--http-port", type=int, default=DEFAULT_PORTS["http"], help="the OpenAI-compatible HTTP API's (default: %(default)s)"
+    )
     add_generate_parser(commands)
     commands.add_parser("demo", help="bring the cluster up, stream a few answers, report acceptance and speedup")
     add_bench_parser(commands)
@@ -127,18 +130,20 @@ def run_generate(args) -> int:
 def status_table(status) -> str:
     from specdec.v1 import generation_pb2, worker_pb2
 
+    members = [(pool, m) for pool in status.pools for m in pool.members]
+    width = max([len("address"), *(len(m.address) for _, m in members)]) + 2
     lines = [
         f"target model {status.target_model}, draft model {status.draft_model or '-'}, {status.active_requests} requests running",
-        f"{'pool':<7}{'address':<28}{'health':<13}{'sessions':>9}{'ours':>6}{'placed':>8}  model / detail",
+        f"{'pool':<7}{'address':<{width}}{'health':<13}{'sessions':>9}{'ours':>6}{'placed':>8}  model / detail",
     ]
     for pool in status.pools:
         role = worker_pb2.WorkerRole.Name(pool.role).removeprefix("WORKER_ROLE_").lower()
         if not pool.members:
-            lines.append(f"{role:<7}{'(' + ', '.join(pool.configured) + ' resolves to nothing)':<28}")
+            lines.append(f"{role:<7}({', '.join(pool.configured)} resolves to no address)")
         for m in pool.members:
             health = generation_pb2.MemberHealth.Name(m.health).removeprefix("MEMBER_HEALTH_").lower()
             lines.append(
-                f"{role:<7}{m.address:<28}{health:<13}{m.sessions:>9}{m.coordinator_sessions:>6}{m.sessions_placed:>8}  "
+                f"{role:<7}{m.address:<{width}}{health:<13}{m.sessions:>9}{m.coordinator_sessions:>6}{m.sessions_placed:>8}  "
                 f"{m.model_name}{'  ' + m.detail if m.detail else ''}"
             )
     return "\n".join(lines)
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from coordinator.cluster import up
 
-        return up(args.target_model, args.draft_model, args.port, args.device)
+        return up(args.target_model, args.draft_model, args.port, args.device, args.http_port)
     if args.command == "generate":
         return run_generate(args)
     if args.command == "bench":

@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass
 
 from common.tls import TlsFiles
 
-DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
+DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053, "http": 8000}  # http: the OpenAI API
 DEFAULT_TARGET_MODEL = "smollm2-135m"
 DEFAULT_DRAFT_MODEL = "ngram"  # prompt lookup: needs no model files and suits any target
 

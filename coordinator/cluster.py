@@ -68,6 +68,7 @@ class Cluster:
     device: str = WorkerConfig.device
     env: dict[str, str] = field(default_factory=dict)  # added to each service's environment (e.g. OTEL_*)
     log_dir: pathlib.Path | None = None  # each service's output goes to <name>.log there instead of the terminal
+    http_port: int | None = None  # the first coordinator's OpenAI HTTP API, if any
     targets: int = 1
     drafts: int = 1  # 0: no draft worker, the coordinators run target-only
     coordinators: int = 1
@@ -140,7 +141,8 @@ class Cluster:
             port = self.port if i == 0 else free_port()
             self.addresses[name] = f"localhost:{port}"
             self.coordinator_addresses.append(self.addresses[name])
-            self.spawn(name, "--port", str(port), *pools, *self.extra_coordinator_args, *self.instance_args.get(name, []))
+            http = ["--http-port", str(self.http_port)] if i == 0 and self.http_port is not None else []
+            self.spawn(name, "--port", str(port), *pools, *http, *self.extra_coordinator_args, *self.instance_args.get(name, []))
         # One worker of each role answers at these (the first), as before pools.
         self.target_address = self.addresses[self.names("target", self.targets)[0]]
         if drafts:
@@ -178,12 +180,15 @@ class Cluster:
         self.stop()
 
 
-def up(target_model: str, draft_model: str | None, port: int, device: str = WorkerConfig.device) -> int:
-    cluster = Cluster(target_model, draft_model, port, device=device)
+def up(
+    target_model: str, draft_model: str | None, port: int, device: str = WorkerConfig.device, http_port: int | None = None
+) -> int:
+    cluster = Cluster(target_model, draft_model, port, device=device, http_port=http_port)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     cluster.start()
-    print(f"specdec is serving GenerationService at {cluster.address} (Ctrl-C stops all three services)", flush=True)
+    http = f" and the OpenAI API at http://localhost:{http_port}/v1" if http_port is not None else ""
+    print(f"specdec is serving GenerationService at {cluster.address}{http} (Ctrl-C stops all three services)", flush=True)
     try:
         while not stop and all(p.poll() is None for p in cluster.processes):
             time.sleep(0.5)

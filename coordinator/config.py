@@ -49,6 +49,9 @@ class CoordinatorServerConfig:
     )
     draft: list[str] | None = setting(None, "draft workers, given as --target is (omit to run target-only)", action="append")
     tokenizer: str | None = setting(None, "tokenizer spec (default: the target worker's model)")
+    http_port: int | None = setting(
+        None, "also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) on this port"
+    )
     max_concurrent_requests: int = setting(256, "more get RESOURCE_EXHAUSTED")
     auth_token: str | None = setting(None, "require 'authorization: Bearer TOKEN'", env="SPECDEC_AUTH_TOKEN")
     worker_tls: TlsFiles = setting(

@@ -3,20 +3,22 @@ concurrent-request cap), and the coordinator's start-up checks."""
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
+from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health
 
-from common.errors import ResourceExhausted, Unauthenticated
 from common.models import load_tokenizer
-from common.server import NO_RETRY, Lifecycle, ServerOptions, abort_with, run_until_signalled, start_serving
+from common.server import NO_RETRY, ServerOptions, abort_with, run_until_signalled, start_serving
 from common.services import check_parsed
 from common.telemetry import context_from
+from coordinator.admission import Admission
 from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, PoolSettings
 from coordinator.engine import GenerationEngine, check_pair
 from coordinator.requests import params_of, response_of, status_of, stream_message_of
+from coordinator.http_api import HttpServer, build_app, start_http
 from coordinator.worker_clients import GrpcWorkers
 from coordinator.workers import WorkerInfo, Workers
 from specdec.v1 import generation_pb2
@@ -35,36 +37,18 @@ def client_trace_context(context: grpc.aio.ServicerContext):
 
 
 class GenerationServicer:
-    def __init__(self, engine: GenerationEngine, max_concurrent_requests: int = 256, auth_token: str | None = None):
+    def __init__(self, engine: GenerationEngine, admission: Admission):
         self.engine = engine
-        self.max_concurrent_requests = max_concurrent_requests
-        self.auth_token = auth_token
-        self.active_requests = 0
-        self.lifecycle = Lifecycle(lambda: self.active_requests)
-
-    def authenticate(self, context: grpc.aio.ServicerContext) -> None:
-        if not self.auth_token:
-            return
-        metadata = dict(context.invocation_metadata() or ())
-        presented = metadata.get("authorization", "")
-        if not hmac.compare_digest(presented.encode(), f"Bearer {self.auth_token}".encode()):
-            raise Unauthenticated("authorization: send the metadata 'authorization: Bearer <token>' with a valid token")
+        self.admission = admission
 
     @contextlib.contextmanager
     def admitted(self, request, context: grpc.aio.ServicerContext):
         """Checks credentials and capacity before any work; holds a request slot while the request runs."""
-        self.authenticate(context)
-        self.lifecycle.admit()
+        metadata = dict(context.invocation_metadata() or ())
+        self.admission.authenticate(metadata.get("authorization"), "the metadata 'authorization: Bearer <token>'")
         check_parsed(request)
-        if self.active_requests >= self.max_concurrent_requests:
-            raise ResourceExhausted(
-                f"the coordinator is serving its maximum of {self.max_concurrent_requests} concurrent requests; retry later"
-            )
-        self.active_requests += 1
-        try:
+        with self.admission.slot():
             yield params_of(request, self.engine.tokenizer, self.engine.config)
-        finally:
-            self.active_requests -= 1
 
     async def Generate(self, request, context):
         admitted = False
@@ -90,10 +74,11 @@ class GenerationServicer:
 
     async def GetStatus(self, request, context):
         try:
-            self.authenticate(context)
+            metadata = dict(context.invocation_metadata() or ())
+            self.admission.authenticate(metadata.get("authorization"), "the metadata 'authorization: Bearer <token>'")
             engine = self.engine
             draft = engine.draft.model_name if engine.draft else ""
-            return status_of(engine.workers.status(), self.active_requests, engine.target.model_name, draft)
+            return status_of(engine.workers.status(), self.admission.active, engine.target.model_name, draft)
         except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
             await abort_with(context, error)
 
@@ -134,11 +119,44 @@ def advertised_host(host: str) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "::", "[::]") else host
 
 
-async def launch(engine: GenerationEngine, options: ServerOptions, max_concurrent_requests: int, auth_token: str | None):
-    servicer = GenerationServicer(engine, max_concurrent_requests, auth_token)
-    server, health_servicer, bound = await start_serving(SERVICE, servicer, options, CONNECTION_AGE)
+@dataclass
+class Coordinator:
+    """A running coordinator's servers: GenerationService over gRPC and, when asked, the OpenAI HTTP API."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    admission: Admission
+    http: HttpServer | None = None
+    http_port: int | None = None
+    http_task: asyncio.Task | None = None
+
+    async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
+            await self.http_task
+        await self.server.stop(1.0)
+
+
+async def launch(
+    engine: GenerationEngine,
+    options: ServerOptions,
+    max_concurrent_requests: int = CoordinatorServerConfig.max_concurrent_requests,
+    auth_token: str | None = None,
+    http_port: int | None = None,
+) -> Coordinator:
+    """Serves the engine in the running event loop: gRPC on options.port and, with http_port, the OpenAI API; both
+    share one admission (the concurrent-request cap, the token, draining)."""
+    admission = Admission(max_concurrent_requests, auth_token)
+    server, health_servicer, bound = await start_serving(SERVICE, GenerationServicer(engine, admission), options, CONNECTION_AGE)
     engine.config.server_address, engine.config.server_port = advertised_host(options.host), bound
-    return server, health_servicer, bound, servicer.lifecycle
+    coordinator = Coordinator(server, health_servicer, bound, admission)
+    if http_port is not None:
+        app = build_app(engine, admission)
+        coordinator.http, coordinator.http_port, coordinator.http_task = await start_http(
+            app, options.host, http_port, options.tls
+        )
+    return coordinator
 
 
 async def start_coordinator_server(
@@ -148,8 +166,8 @@ async def start_coordinator_server(
     auth_token: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """The GenerationService over an engine, in the running event loop (used by tests and benchmarks)."""
-    server, _, bound, _ = await launch(engine, options or ServerOptions(host="127.0.0.1"), max_concurrent_requests, auth_token)
-    return server, bound
+    coordinator = await launch(engine, options or ServerOptions(host="127.0.0.1"), max_concurrent_requests, auth_token)
+    return coordinator.server, coordinator.port
 
 
 async def serve(
@@ -164,17 +182,21 @@ async def serve(
         with contextlib.suppress(Exception):
             await workers.draft_info(15)
     engine = await build_engine(workers, config, settings.tokenizer)
-    server, health_servicer, bound, lifecycle = await launch(
-        engine, options, settings.max_concurrent_requests, settings.auth_token
-    )
+    coordinator = await launch(engine, options, settings.max_concurrent_requests, settings.auth_token, settings.http_port)
     log.info(
-        "coordinator serving on port %d: target %s (%s), draft %s (%s), gamma %d",
-        bound,
+        "coordinator serving on port %d%s: target %s (%s), draft %s (%s), gamma %d",
+        coordinator.port,
+        f" (OpenAI HTTP API on port {coordinator.http_port})" if coordinator.http else "",
         engine.target.model_name,
         ", ".join(workers.target_pool.configured),
         engine.draft.model_name if engine.draft else "not connected yet" if workers.has_draft else "none",
         ", ".join(workers.draft_pool.configured) if workers.draft_pool else "-",
         config.default_num_speculative_tokens,
     )
-    await run_until_signalled(server, health_servicer, [SERVICE.full_name], options.grace_period, lifecycle)
+    await run_until_signalled(
+        coordinator.server, coordinator.health, [SERVICE.full_name], options.grace_period, coordinator.admission.lifecycle
+    )
+    if coordinator.http is not None:
+        await coordinator.http.stop()
+        await coordinator.http_task
     await workers.close()

@@ -29,9 +29,11 @@ def test_cluster_has_jaeger_and_the_three_services(services):
     assert image.startswith("jaegertracing/jaeger:2.") and not image.endswith(":latest")
 
 
-def test_only_the_client_api_and_jaeger_ui_are_published(services):
+def test_only_the_client_apis_and_jaeger_ui_are_published(services):
     published = {name: sorted(int(p["published"]) for p in svc.get("ports", [])) for name, svc in services.items()}
-    assert published == {"jaeger": [16686], "coordinator": [50051], "target-worker": [], "draft-worker": []}
+    assert published == {"jaeger": [16686], "coordinator": [8000, 50051], "target-worker": [], "draft-worker": []}
+    command = services["coordinator"]["command"]
+    assert command[command.index("--http-port") + 1] == "8000", "the OpenAI API listens where it is published"
 
 
 def test_every_service_has_a_grpc_health_check_and_waits_for_healthy_workers(services):

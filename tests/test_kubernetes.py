@@ -19,7 +19,7 @@ OVERLAYS = ("cpu", "gpu", "shared-gpu")
 KUBERNETES_VERSION = "1.32.0"  # the oldest Kubernetes the manifests are meant for (gRPC probes, preStop sleep)
 NAMESPACE = "specdec"
 ROLES = ("target", "draft", "coordinator")
-PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}  # common.config.DEFAULT_PORTS
+PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053, "http": 8000}  # common.config.DEFAULT_PORTS
 WORKERS = ("target", "draft")
 METRICS_PORT = 9464
 USER_ID = 10001
@@ -267,8 +267,11 @@ def test_workers_sit_behind_headless_services_the_coordinator_resolves(cluster):
     assert set(by_name) == {"specdec-coordinator", "specdec-coordinator-headless"}
     assert by_name["specdec-coordinator"]["spec"].get("clusterIP") != "None"
     assert by_name["specdec-coordinator-headless"]["spec"].get("clusterIP") == "None"
-    for service in selecting:
-        assert [p["port"] for p in service["spec"]["ports"]] == [int(flag(container["args"], "--port"))]
+    api_ports = [int(flag(container["args"], "--port")), int(flag(container["args"], "--http-port"))]
+    assert api_ports == [PORTS["coordinator"], PORTS["http"]]
+    for service in selecting:  # GenerationService and the OpenAI-compatible HTTP API
+        assert [p["port"] for p in service["spec"]["ports"]] == api_ports
+        assert all(p["port"] in [c["containerPort"] for c in container["ports"]] for p in service["spec"]["ports"])
 
 
 def test_only_coordinators_reach_the_workers(cluster):

@@ -115,6 +115,7 @@ def traced_cluster(receiver, tmp_path_factory):
         ["--metrics-port", str(metrics_port), "--gamma", "4"],
         env=env,
         log_dir=tmp_path_factory.mktemp("logs"),
+        http_port=free_port(),
     )
     with cluster:
         cluster.metrics_port = metrics_port
@@ -238,6 +239,43 @@ def test_metrics_are_exported_over_otlp_and_scrapeable(traced_cluster, receiver)
     scraped = urllib.request.urlopen(f"http://127.0.0.1:{traced_cluster.metrics_port}/metrics", timeout=5).read().decode()
     assert "gen_ai_server_request_duration_seconds_bucket" in scraped
     assert "specdec_speculation_rounds" in scraped
+
+
+def prometheus_count(metrics_port: int, metric: str, operation: str) -> float:
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in scraped.splitlines()
+        if line.startswith(metric + "{") and f'gen_ai_operation_name="{operation}"' in line
+    )
+
+
+def test_an_http_request_roots_its_trace_with_the_genai_span_below_and_counts_in_the_gen_ai_metrics(traced_cluster, receiver):
+    import httpx2
+
+    trace_id, parent = "5bf92f3577b34da6a3ce929d0e0e4737", "10f067aa0ba902b8"
+    count = "gen_ai_server_request_duration_seconds_count"
+    before = prometheus_count(traced_cluster.metrics_port, count, "chat")
+    body = {"model": TARGET, "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 12, "temperature": 0}
+    response = httpx2.post(
+        f"http://127.0.0.1:{traced_cluster.http_port}/v1/chat/completions",
+        json={**body, "ignore_eos": True},
+        headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        timeout=30,
+    )
+    assert response.status_code == 200
+    rounds = response.json()["speculation"]["rounds"]
+    spans = wait_for_trace(receiver, trace_id, 2 * rounds)
+    by_id = {span.span_id: span for _, span in spans}
+    (http,) = [span for _, span in spans if span.parent_span_id.hex() == parent]
+    assert http.name == "POST /v1/chat/completions", "the HTTP server span continues the caller's trace"
+    (genai,) = [span for _, span in spans if span.name == f"chat {TARGET}"]
+    ancestor = by_id[genai.parent_span_id]
+    while ancestor.span_id != http.span_id:
+        ancestor = by_id[ancestor.parent_span_id]
+    assert sum(span.name == "speculate" and span.parent_span_id == genai.span_id for _, span in spans) == rounds
+    assert {service for service, _ in spans} == {"specdec-coordinator", "specdec-target", "specdec-draft"}
+    assert prometheus_count(traced_cluster.metrics_port, count, "chat") == before + 1
 
 
 def test_explain_lists_every_round(traced_cluster):

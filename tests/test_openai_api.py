@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` package against a real cluster (three service
+processes on loopback, tiny random models), and its error cases against an in-process coordinator."""
+
+import asyncio
+import threading
+import time
+
+import grpc
+import openai
+import pytest
+
+from coordinator.client import GenerationClient
+from coordinator.cluster import Cluster, free_port
+from specdec.v1 import worker_pb2, worker_pb2_grpc  # noqa: F401 - GetInfo of the workers below
+
+TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
+DRAFT = f"{TARGET},noise=0.1"
+TOKEN = "http-token"
+GREEDY = {"temperature": 0, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with Cluster(
+        TARGET,
+        DRAFT,
+        free_port(),
+        ["--gamma", "4", "--auth-token", TOKEN],
+        http_port=free_port(),
+        log_dir=tmp_path_factory.mktemp("openai"),
+    ) as running:
+        yield running
+
+
+@pytest.fixture
+def client(cluster):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key=TOKEN, max_retries=0) as api:
+        yield api
+
+
+def grpc_generate(cluster, prompt, **options):
+    with GenerationClient(cluster.address, token=TOKEN) as client:
+        return client.generate(prompt, ignore_eos=True, temperature=0, **options)
+
+
+def worker_sessions(address: str, stub_class) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return stub_class(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=5).active_sessions
+
+
+def open_sessions(cluster) -> tuple[int, int]:
+    from specdec.v1 import draft_pb2_grpc, target_pb2_grpc
+
+    return (
+        worker_sessions(cluster.target_address, target_pb2_grpc.TargetServiceStub),
+        worker_sessions(cluster.draft_address, draft_pb2_grpc.DraftServiceStub),
+    )
+
+
+def test_models_lists_the_target_model(client):
+    assert [m.id for m in client.models.list().data] == [TARGET]
+
+
+def test_greedy_completion_equals_the_grpc_api_and_counts_usage(client, cluster):
+    completion = client.completions.create(model=TARGET, prompt="The pool of workers", **GREEDY)
+    reference = grpc_generate(cluster, "The pool of workers", max_new_tokens=24)
+    (choice,) = completion.choices
+    assert choice.text == reference.text and choice.finish_reason == "length"
+    assert completion.usage.prompt_tokens == reference.usage.prompt_tokens
+    assert completion.usage.completion_tokens == 24 == len(reference.token_ids)
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + 24
+    speculation = completion.model_extra["speculation"]
+    assert speculation["drafted_tokens"] > 0 and 0 <= speculation["accepted_tokens"] <= speculation["drafted_tokens"]
+    assert speculation["rounds"] == reference.speculation.rounds
+
+
+def test_greedy_chat_equals_the_grpc_api_streaming_or_not(client, cluster):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    reference = grpc_generate(cluster, messages, max_new_tokens=24)
+    whole = client.chat.completions.create(model=TARGET, messages=messages, **GREEDY)
+    assert whole.choices[0].message.content == reference.text and whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == reference.usage.prompt_tokens and whole.object == "chat.completion"
+    chunks = list(
+        client.chat.completions.create(
+            model=TARGET, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 24
+    assert usage_chunk.model_extra["speculation"]["rounds"] == reference.speculation.rounds
+
+
+def test_streamed_completion_adds_up_to_the_whole_one(client):
+    whole = client.completions.create(model=TARGET, prompt="streams add up", **GREEDY)
+    chunks = list(client.completions.create(model=TARGET, prompt="streams add up", stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in chunks)
+
+
+def test_stop_strings_end_the_text_before_them(client):
+    free = client.completions.create(model=TARGET, prompt="stop me", **GREEDY).choices[0].text
+    stop = free[5:7]
+    assert len(stop) == 2 and stop not in free[:5]
+    stopped = client.completions.create(model=TARGET, prompt="stop me", stop=[stop], **GREEDY).choices[0]
+    assert stopped.text == free[: free.index(stop)] and stopped.finish_reason == "stop"
+
+
+def test_the_same_seed_gives_the_same_sample(client):
+    def sample(seed):
+        body = {"temperature": 0.9, "max_tokens": 24, "seed": seed, "extra_body": {"ignore_eos": True}}
+        return client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": "roll"}], **body)
+
+    first, again, other = sample(7), sample(7), sample(8)
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.choices[0].message.content != other.choices[0].message.content
+
+
+def test_speculation_by_position_is_returned_when_asked(client):
+    completion = client.completions.create(
+        model=TARGET, prompt="positions", max_tokens=24, temperature=0, extra_body={"speculation_by_position": True}
+    )
+    positions = completion.model_extra["speculation"]["by_position"]
+    assert [p["position"] for p in positions] == list(range(1, 5))
+    assert positions[0]["drafted"] >= positions[-1]["drafted"] > 0
+    assert all(p["accepted"] <= p["drafted"] for p in positions)
+
+
+def test_bad_input_gets_400_naming_the_field(client):
+    cases = [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens"),
+    ]
+    for options, param in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=TARGET, prompt="bad", **options)
+        assert error.value.status_code == 400 and error.value.body["param"] == param, options
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=TARGET, messages=[{"role": "robot", "content": "hi"}])
+    assert error.value.body["param"] == "messages[0].role"
+
+
+def test_a_missing_or_wrong_token_gets_401(cluster):
+    import httpx2
+
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key="wrong", max_retries=0) as api:
+        with pytest.raises(openai.AuthenticationError) as error:
+            api.completions.create(model=TARGET, prompt="who am I", max_tokens=2)
+        assert error.value.status_code == 401 and error.value.body["type"] == "authentication_error"
+    body = {"model": TARGET, "prompt": "no token", "max_tokens": 2}
+    response = httpx2.post(f"http://127.0.0.1:{cluster.http_port}/v1/completions", json=body, timeout=10)
+    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+
+
+def test_an_unknown_model_gets_404(client):
+    with pytest.raises(openai.NotFoundError) as error:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert error.value.status_code == 404 and error.value.body["code"] == "model_not_found"
+
+
+def test_a_client_that_disconnects_mid_stream_frees_both_sessions(client, cluster):
+    stream = client.completions.create(
+        model=TARGET, prompt="a long answer", max_tokens=2000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert open_sessions(cluster) == (1, 1), "the request holds a session on each worker while it streams"
+    stream.close()
+    deadline = time.monotonic() + 5
+    while open_sessions(cluster) != (0, 0):
+        assert time.monotonic() < deadline, "the sessions of the abandoned stream were not freed"
+        time.sleep(0.05)
+
+
+def test_sixteen_concurrent_streaming_clients_all_complete_with_their_solo_output(client, cluster):
+    prompts = [f"client {i} streams" for i in range(16)]
+    solo = {p: client.completions.create(model=TARGET, prompt=p, **GREEDY).choices[0].text for p in prompts}
+    texts, errors = {}, []
+
+    def stream(prompt):
+        try:
+            with openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key=TOKEN, max_retries=0) as api:
+                chunks = api.completions.create(model=TARGET, prompt=prompt, stream=True, **GREEDY)
+                texts[prompt] = "".join(c.choices[0].text for c in chunks)
+        except Exception as error:  # noqa: BLE001 - collected and asserted below
+            errors.append(error)
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == [] and texts == solo
+
+
+# Error statuses that need a coordinator in a given state: in this process, over a real target worker.
+
+
+def in_process_coordinator(scenario, max_concurrent_requests=256, retry_window=30.0):
+    from common.config import ServerOptions
+    from common.models import load_model
+    from coordinator.config import CoordinatorConfig, PoolSettings
+    from coordinator.server import build_engine, launch
+    from coordinator.worker_clients import GrpcWorkers
+    from target_worker.engine import TargetEngine
+    from target_worker.server import start_target_server
+
+    async def run():
+        model = load_model(TARGET)
+        target, port = await start_target_server(TargetEngine(model))
+        workers = GrpcWorkers(f"127.0.0.1:{port}", None, settings=PoolSettings(poll_interval=0.1))
+        config = CoordinatorConfig(target_retry_window=retry_window)
+        engine = await build_engine(workers, config, tokenizer=model.tokenizer)
+        coordinator = await launch(engine, ServerOptions(host="127.0.0.1"), max_concurrent_requests, http_port=0)
+        try:
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{coordinator.http_port}/v1", api_key="-", max_retries=0)
+            await scenario(client, target)
+            await client.close()
+        finally:
+            await coordinator.stop()
+            await workers.close()
+            await target.stop(0)
+
+    asyncio.run(run())
+
+
+def test_a_full_coordinator_answers_429():
+    async def scenario(client, target):
+        body = {"model": TARGET, "prompt": "hold", "max_tokens": 2000, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        holding = await client.completions.create(stream=True, **body)
+        await anext(aiter(holding))
+        with pytest.raises(openai.RateLimitError) as error:
+            await client.completions.create(model=TARGET, prompt="one more", max_tokens=2)
+        assert error.value.status_code == 429
+        await holding.close()
+
+    in_process_coordinator(scenario, max_concurrent_requests=1)
+
+
+def test_an_unavailable_target_answers_503():
+    async def scenario(client, target):
+        await target.stop(0)
+        with pytest.raises(openai.InternalServerError) as error:
+            await client.completions.create(model=TARGET, prompt="nobody home", max_tokens=2)
+        assert error.value.status_code == 503 and "target worker unavailable" in error.value.body["message"]
+
+    in_process_coordinator(scenario, retry_window=1.0)
