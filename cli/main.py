@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--http-port", type=int, default=DEFAULT_PORTS["http"], help="the OpenAI-compatible HTTP API's (default: %(default)s)"
     )
+    up.add_argument("--no-http", action="store_true", help="serve the gRPC API only")
     add_generate_parser(commands)
     commands.add_parser("demo", help="bring the cluster up, stream a few answers, report acceptance and speedup")
     add_bench_parser(commands)
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from coordinator.cluster import up
 
-        return up(args.target_model, args.draft_model, args.port, args.device, args.http_port)
+        return up(args.target_model, args.draft_model, args.port, args.device, None if args.no_http else args.http_port)
     if args.command == "generate":
         return run_generate(args)
     if args.command == "bench":

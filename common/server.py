@@ -40,6 +40,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
+# After a drain, what calls still running get before the server stops (the drain already waited --grace-period).
+FINAL_STOP_SECONDS = 1.0
+
 log = logging.getLogger("specdec")
 
 STATUS_CODES = {
@@ -145,7 +148,7 @@ async def run_until_signalled(
     deadline = loop.time() + grace
     while lifecycle.in_flight() > 0 and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    await server.stop(1.0)
+    await server.stop(FINAL_STOP_SECONDS)
     log.info("stopped")
 
 

@@ -145,17 +145,25 @@ class GenerationEngine:
         log.info("draft worker %s connected", draft.model_name)
         return True
 
-    async def generate(self, params: GenerationParams, parent: Context | None = None, time_limit: float | None = None):
+    async def generate(
+        self,
+        params: GenerationParams,
+        parent: Context | None = None,
+        time_limit: float | None = None,
+        kind: SpanKind = SpanKind.SERVER,
+    ):
         """Yields deltas as rounds commit tokens, then the GenerationResult.
 
         time_limit: seconds the caller still waits (its gRPC deadline); bounds the retries after a worker failure.
+        kind: of the request's span: SERVER where it is the server's span for the call, INTERNAL under another
+        server span (the HTTP API's).
         """
         started = time.perf_counter()
         self.check(params)
         root = tracer().start_span(
             f"{params.operation} {self.target.model_name}",
             context=parent,
-            kind=SpanKind.SERVER,
+            kind=kind,
             attributes=self.root_attributes(params),
         )
         run = RequestRun(self, params, root, started, time_limit)

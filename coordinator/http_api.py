@@ -13,63 +13,84 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
+import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, Field
 
-from common.errors import InvalidArgument, ResourceExhausted, SpecdecError, Unauthenticated, Unavailable
+from common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    WorkerFailed,
+)
+from common.server import FINAL_STOP_SECONDS, MAX_MESSAGE_BYTES
+from common.tls import TlsFiles
 from coordinator.admission import Admission
 from coordinator.engine import GenerationEngine
 from coordinator.output import Delta
 from coordinator.requests import params_of
 from coordinator.types import FINISH_REASON_NAMES, GenerationResult
+
 from specdec.v1 import generation_pb2
 
 log = logging.getLogger("specdec.coordinator")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the coordinator's
-# The field a GenerateRequest check names, as the OpenAI request calls it.
-PARAM_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "input": "prompt"}
+DISCONNECT_POLL_SECONDS = 0.25  # how often a whole (non-streamed) request checks that its client is still there
+# OpenAI's roles that specdec renders as one of its chat roles.
+ROLE_ALIASES = {"developer": "system"}
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False  # a last chunk with usage (and speculation) before [DONE]
+    include_usage: bool | None = None  # a last chunk with usage (and speculation) before [DONE]
 
 
 class RequestFields(BaseModel):
-    """What both endpoints take. Fields that specdec cannot honour are accepted at their neutral values only."""
+    """What both endpoints take. Fields that would change what is generated and that specdec cannot honour are
+    accepted at their neutral values only (null, or the default); other unknown fields are ignored."""
 
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # OpenAI's signed 64 bits, or specdec's unsigned ones
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
     # specdec's own
     top_k: int | None = None
     num_speculative_tokens: int | None = None
     overlap: bool | None = None
-    ignore_eos: bool = False
-    speculation_by_position: bool = False
+    ignore_eos: bool | None = None
+    speculation_by_position: bool | None = None
 
 
 class CompletionRequest(RequestFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = None
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
@@ -95,19 +116,24 @@ class ChatCompletionRequest(RequestFields):
 
 def refuse_unsupported(body: RequestFields) -> None:
     neutral = {
-        "n": body.n == 1,
-        "frequency_penalty": body.frequency_penalty == 0,
-        "presence_penalty": body.presence_penalty == 0,
+        "n": body.n in (None, 1),
+        "frequency_penalty": not body.frequency_penalty,
+        "presence_penalty": not body.presence_penalty,
         "logit_bias": not body.logit_bias,
-        "logprobs": not body.logprobs,
+        "logprobs": body.logprobs in (None, False),
+        "tools": not body.tools,
+        "tool_choice": body.tool_choice in (None, "none"),
+        "functions": not body.functions,
+        "function_call": body.function_call in (None, "none"),
+        "response_format": body.response_format in (None, {"type": "text"}),
     }
     if isinstance(body, CompletionRequest):
         neutral.update(echo=not body.echo, best_of=body.best_of in (None, 1), suffix=not body.suffix)
+    else:
+        neutral.update(top_logprobs=not body.top_logprobs)
     for field, ok in neutral.items():
         if not ok:
             raise InvalidArgument(field, "is not supported by specdec (only its default value is accepted)")
-    if body.seed is not None and body.seed < 0:
-        raise InvalidArgument("seed", f"must be >= 0, got {body.seed}")
 
 
 def prompt_into(request: generation_pb2.GenerateRequest, prompt) -> None:
@@ -117,8 +143,11 @@ def prompt_into(request: generation_pb2.GenerateRequest, prompt) -> None:
         prompt = prompt[0]
     if isinstance(prompt, str):
         request.prompt = prompt
-    else:
+        return
+    try:
         request.prompt_token_ids.token_ids.extend(prompt)
+    except ValueError:
+        raise InvalidArgument("prompt", "token ids must be 32-bit integers") from None
 
 
 def content_text(message: ChatMessage, index: int) -> str:
@@ -135,29 +164,43 @@ def generate_request_of(
     """The GenerateRequest an OpenAI request stands for."""
     refuse_unsupported(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    request = generation_pb2.GenerateRequest(stop=stop, ignore_eos=body.ignore_eos)
-    max_tokens = next(
-        (v for v in (getattr(body, "max_completion_tokens", None), body.max_tokens, default_max_tokens) if v is not None), None
-    )
+    request = generation_pb2.GenerateRequest(stop=stop, ignore_eos=bool(body.ignore_eos))
     optional = {
-        "max_new_tokens": max_tokens,
+        "max_new_tokens": max_tokens_of(body, default_max_tokens),
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k,
-        "seed": body.seed,
+        # OpenAI's seed is a signed 64-bit integer, specdec's unsigned: the same bits.
+        "seed": body.seed % 2**64 if body.seed is not None else None,
         "num_speculative_tokens": body.num_speculative_tokens,
         "overlap": body.overlap,
     }
     for name, value in optional.items():
         if value is not None:
-            setattr(request, name, value)
+            try:
+                setattr(request, name, value)
+            except ValueError:
+                raise InvalidArgument(name, f"{value} is out of range") from None
     if isinstance(body, ChatCompletionRequest):
         request.messages.messages.extend(
-            generation_pb2.ChatMessage(role=m.role, content=content_text(m, i)) for i, m in enumerate(body.messages)
+            generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=content_text(m, i))
+            for i, m in enumerate(body.messages)
         )
     else:
         prompt_into(request, body.prompt)
     return request
+
+
+def max_tokens_of(body: RequestFields, default: int | None) -> int | None:
+    given = [v for v in (getattr(body, "max_completion_tokens", None), body.max_tokens) if v is not None]
+    return given[0] if given else default
+
+
+def param_of(field: str, body: RequestFields | None) -> str:
+    """The name the client used for the field a check named."""
+    if field == "max_new_tokens":
+        return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    return {"prompt_token_ids": "prompt", "input": "prompt"}.get(field, field)
 
 
 def speculation_of(result: GenerationResult, by_position: bool) -> dict:
@@ -171,13 +214,8 @@ def speculation_of(result: GenerationResult, by_position: bool) -> dict:
         "fallback_reason": result.fallback_reason,
     }
     if by_position:
-        drafted, accepted = Counter(), Counter()
-        for stats in result.rounds:
-            drafted.update(range(1, stats.drafted + 1))
-            accepted.update(range(1, stats.accepted + 1))
         speculation["by_position"] = [
-            {"position": p, "drafted": drafted[p], "accepted": accepted[p], "acceptance_rate": accepted[p] / drafted[p]}
-            for p in sorted(drafted)
+            {"position": p, "drafted": d, "accepted": a, "acceptance_rate": a / d} for p, d, a in result.by_position()
         ]
     return speculation
 
@@ -238,9 +276,12 @@ def sse(payload: dict | str) -> str:
 
 ERROR_STATUS = {
     InvalidArgument: (400, "invalid_request_error"),
+    FailedPrecondition: (400, "invalid_request_error"),
     Unauthenticated: (401, "authentication_error"),
     ResourceExhausted: (429, "rate_limit_error"),
+    WorkerFailed: (502, "worker_error"),
     Unavailable: (503, "service_unavailable_error"),
+    DeadlineExceeded: (504, "timeout_error"),
 }
 
 
@@ -248,84 +289,158 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(error: Exception) -> JSONResponse:
-    """An engine error in OpenAI's error shape with the matching status; anything unexpected is a logged 500."""
+def error_response(error: Exception, body: RequestFields | None = None, admitted: bool = False) -> JSONResponse:
+    """An engine error in OpenAI's error shape with the matching status; anything unexpected is a logged 500.
+
+    admitted: the request ran, and the coordinator already spent its own retries on the workers: the openai SDK is
+    told not to retry it (it honours x-should-retry). A refusal at admission while draining closes the connection,
+    so that a retry goes out on a new one, which a load balancer may send to another coordinator."""
     status, kind = ERROR_STATUS.get(type(error), (500, "internal_error"))
     if status == 500:
         log.exception("internal error", exc_info=error)
-    param = PARAM_NAMES.get(error.field, error.field) if isinstance(error, InvalidArgument) else None
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(error_body(str(error) or type(error).__name__, kind, param), status_code=status, headers=headers)
+    message = "internal error" if status == 500 else str(error) or type(error).__name__
+    param = param_of(error.field, body) if isinstance(error, InvalidArgument) else None
+    headers = {}
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    elif status == 429:
+        headers["Retry-After"] = "1"
+    elif status >= 500:
+        headers["x-should-retry"] = "false" if admitted else "true"
+        if not admitted:
+            headers["Connection"] = "close"
+    return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events whose end, however it comes (the last event, an error, the client gone), runs on_close:
-    the engine's generator closes (freeing both sessions at once) and the request slot is given back."""
+    """Server-sent events that end, however they end (the last event, an error, the client gone), with on_close:
+    the engine's generator closes, freeing both sessions at once, and the request slot is given back.
+
+    The client's disconnect is listened for whatever ASGI version the server speaks, so that it stops the request
+    within a round rather than at the next event that fails to send."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
         finally:
             await self.on_close()
 
 
+def request_context(request: Request) -> otel_context.Context:
+    """The trace context the request's GenAI span goes under: the HTTP server span FastAPI opened, continuing the
+    caller's traceparent; or, when this process exports no traces (FastAPI then opens none), the traceparent itself,
+    which the workers' calls carry on."""
+    current = otel_context.get_current()
+    if trace.get_current_span(current).get_span_context().is_valid:
+        return current
+    return propagate.extract(request.headers)
+
+
+def param_from_location(location: tuple) -> str | None:
+    """The field a body validation error is about, without pydantic's union member tags (e.g. 'stop.str')."""
+    parts = [part for part in location[1:] if isinstance(part, int) or ("[" not in part and part not in TYPE_TAGS)]
+    if not parts or isinstance(parts[0], int):  # malformed JSON: the location is a byte offset
+        return None
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+
+
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class AuthenticateFirst:
+    """Checks the bearer token before the body is read: an unauthenticated client gets 401 without the coordinator
+    reading (or describing the schema of) what it sent."""
+
+    def __init__(self, app, admission: Admission):
+        self.app, self.admission = app, admission
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            presented = headers.get(b"authorization", b"").decode("latin-1")
+            try:
+                self.admission.authenticate(presented, "the header 'Authorization: Bearer <token>'")
+            except Unauthenticated as error:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: GenerationEngine, admission: Admission) -> FastAPI:
-    app = FastAPI(title="specdec", summary="OpenAI-compatible API over speculative decoding", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="specdec",
+        summary="OpenAI-compatible API over speculative decoding",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        max_body_size=MAX_MESSAGE_BYTES,  # the gRPC API's message limit
+        # The HTTP server span, continuing the caller's traceparent, from the providers this process set up
+        # (common.telemetry); no providers or exporters of FastAPI's own, no span per endpoint function.
+        telemetry={"auto_configure": False, "operation_spans": False},
+    )
+    app.add_middleware(AuthenticateFirst, admission=admission)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
-        where = [str(part) for part in first["loc"] if part != "body"]
-        param = ".".join(where) if where else None
+        param = param_from_location(first["loc"])
         return JSONResponse(error_body(f"{param or 'body'}: {first['msg']}", "invalid_request_error", param), status_code=400)
 
-    def authenticate(request: Request) -> None:
-        admission.authenticate(request.headers.get("authorization"), "the header 'Authorization: Bearer <token>'")
-
-    def check_model(model: str) -> JSONResponse | None:
-        if model != engine.target.model_name:
-            message = f"The model '{model}' does not exist; this deployment serves '{engine.target.model_name}'"
-            return JSONResponse(error_body(message, "invalid_request_error", "model", "model_not_found"), status_code=404)
-        return None
+    def model_not_found(model: str) -> JSONResponse:
+        message = f"The model '{model}' does not exist; this deployment serves '{engine.target.model_name}'"
+        return JSONResponse(error_body(message, "invalid_request_error", "model", "model_not_found"), status_code=404)
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        try:
-            authenticate(request)
-        except SpecdecError as error:
-            return error_response(error)
+    async def models():
         model = {"id": engine.target.model_name, "object": "model", "created": 0, "owned_by": "specdec"}
         return {"object": "list", "data": [model]}
 
     async def complete(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool, default_max_tokens):
-        slot = contextlib.ExitStack()
+        if body.model != engine.target.model_name:
+            return model_not_found(body.model)
+        slot, events, handed_off, admitted = contextlib.ExitStack(), None, False, False
         try:
-            authenticate(request)
-            if (missing := check_model(body.model)) is not None:
-                return missing
             generate_request = generate_request_of(body, default_max_tokens)
             slot.enter_context(admission.slot())
+            admitted = True
             params = params_of(generate_request, engine.tokenizer, engine.config)
-            completion = Completion(chat, engine.target.model_name, body.speculation_by_position)
-            # FastAPI's own telemetry opens the HTTP server span, continuing the caller's traceparent; the GenAI
-            # request span, with its rounds, goes below it.
-            events = engine.generate(params, otel_context.get_current())
+            completion = Completion(chat, engine.target.model_name, bool(body.speculation_by_position))
+            # Under FastAPI's HTTP server span: the span of a request that arrived over HTTP, not the server's own.
+            events = engine.generate(params, request_context(request), kind=SpanKind.INTERNAL)
             if not body.stream:
-                return await whole_response(request, events, completion, slot)
+                handed_off = True
+                return await whole_response(request, events, completion, slot, body)
             # The first event comes before the response starts, so that a request that fails at once (no worker,
             # a bad prompt) gets its own status rather than an error inside a 200 stream.
             first = await anext(events)
+            handed_off = True
         except Exception as error:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error, never a crash
-            slot.close()
-            return error_response(error)
+            return error_response(error, body, admitted)
+        finally:
+            if not handed_off:
+                if events is not None:
+                    await events.aclose()
+                slot.close()
 
         async def close() -> None:
-            await events.aclose()
-            slot.close()
+            try:
+                await events.aclose()
+            finally:
+                slot.close()
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(stream_events(first, events, completion, include_usage), close)
@@ -341,24 +456,29 @@ def build_app(engine: GenerationEngine, admission: Admission) -> FastAPI:
     return app
 
 
-async def whole_response(request: Request, events, completion: Completion, slot: contextlib.ExitStack):
-    """Runs the request to its end; a client that disconnects meanwhile stops it within a round (499)."""
+async def whole_response(request: Request, events, completion: Completion, slot: contextlib.ExitStack, body):
+    """Runs the request to its end; a client that disconnects meanwhile stops it (answered 499, which nobody reads)."""
     task = asyncio.ensure_future(last_event(events))
     try:
         while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
             if not task.done() and await request.is_disconnected():
+                log.info("client closed the request (499)")
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return JSONResponse(error_body("client closed the request", "client_closed_request"), status_code=499)
-        result = task.result()
+                break
+        await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            return JSONResponse(error_body("client closed the request", "client_closed_request"), status_code=499)
+        if task.exception() is not None:
+            return error_response(task.exception(), body, admitted=True)
+        return JSONResponse(completion.whole(task.result()))
     finally:
-        if not task.done():
-            task.cancel()
-        await events.aclose()
-        slot.close()
-    return JSONResponse(completion.whole(result))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # the generator is not running when it is closed
+        try:
+            await events.aclose()
+        finally:
+            slot.close()
 
 
 async def last_event(events):
@@ -390,7 +510,7 @@ async def stream_events(first, events, completion: Completion, include_usage: bo
         status, kind = ERROR_STATUS.get(type(error), (500, "internal_error"))
         if status == 500:
             log.exception("internal error", exc_info=error)
-        yield sse(error_body(str(error) or type(error).__name__, kind))
+        yield sse(error_body("internal error" if status == 500 else str(error) or type(error).__name__, kind))
     yield sse("[DONE]")
 
 
@@ -401,22 +521,56 @@ class HttpServer(uvicorn.Server):
     def capture_signals(self):
         return contextlib.nullcontext()
 
-    async def stop(self) -> None:
+    async def stop(self, task: asyncio.Task) -> None:
         self.should_exit = True
+        await task
 
 
-async def start_http(app: FastAPI, host: str, port: int, tls=None) -> tuple[HttpServer, int, asyncio.Task]:
+def bind(host: str, port: int) -> socket.socket:
+    host = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def tls_options(tls: TlsFiles | None) -> dict:
+    """The gRPC API's TLS for the HTTP one: a certificate, and client certificates required with a CA."""
+    if tls is None or not tls.enabled:
+        return {}
+    options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+    if tls.ca:
+        options.update(ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
+
+
+async def start_http(app: FastAPI, host: str, port: int, tls: TlsFiles | None = None) -> tuple[HttpServer, int, asyncio.Task]:
     """Binds host:port (0: any free port) and serves the app on it in this event loop; returns the port bound."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    tls_options = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key} if tls is not None and tls.enabled else {}
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5, **tls_options)
+    sock = bind(host, port)
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # the process's logging, as configured by common.server.configure_logging
+        log_level="warning",
+        lifespan="off",
+        timeout_graceful_shutdown=int(FINAL_STOP_SECONDS) or 1,
+        **tls_options(tls),
+    )
     server = HttpServer(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
     if task.done():
+        sock.close()
         task.result()  # raises what stopped it
+        raise OSError(f"the HTTP API did not start on {host}:{port}")
+    task.add_done_callback(report_stop)
     return server, sock.getsockname()[1], task
+
+
+def report_stop(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the HTTP API stopped", exc_info=task.exception())

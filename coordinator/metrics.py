@@ -125,12 +125,9 @@ class CoordinatorMetrics:
         self.rounds.add(len(result.rounds), attributes)
         self.drafted.add(result.drafted_tokens, attributes)
         self.accepted.add(result.accepted_tokens, attributes)
-        drafted_at, accepted_at = Counter(), Counter()
         for stats in result.rounds:
             self.tokens_per_round.record(stats.committed, attributes)
-            drafted_at.update(range(1, stats.drafted + 1))
-            accepted_at.update(range(1, stats.accepted + 1))
-        for position, count in sorted(drafted_at.items()):
+        for position, drafted, accepted in result.by_position():
             position_attributes = {**attributes, "specdec.position": position}
-            self.drafted_by_position.add(count, position_attributes)
-            self.accepted_by_position.add(accepted_at[position], position_attributes)
+            self.drafted_by_position.add(drafted, position_attributes)
+            self.accepted_by_position.add(accepted, position_attributes)

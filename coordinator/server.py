@@ -6,22 +6,25 @@ import contextlib
 import logging
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health
 
 from common.models import load_tokenizer
-from common.server import NO_RETRY, ServerOptions, abort_with, run_until_signalled, start_serving
+from common.server import FINAL_STOP_SECONDS, NO_RETRY, ServerOptions, abort_with, run_until_signalled, start_serving
 from common.services import check_parsed
 from common.telemetry import context_from
 from coordinator.admission import Admission
 from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, PoolSettings
 from coordinator.engine import GenerationEngine, check_pair
 from coordinator.requests import params_of, response_of, status_of, stream_message_of
-from coordinator.http_api import HttpServer, build_app, start_http
 from coordinator.worker_clients import GrpcWorkers
 from coordinator.workers import WorkerInfo, Workers
 from specdec.v1 import generation_pb2
+
+if TYPE_CHECKING:
+    from coordinator.http_api import HttpServer
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 # A client's connection is closed after a few minutes (its calls in progress finish first), so that a client that
@@ -41,11 +44,14 @@ class GenerationServicer:
         self.engine = engine
         self.admission = admission
 
+    def authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        self.admission.authenticate(metadata.get("authorization"), "the metadata 'authorization: Bearer <token>'")
+
     @contextlib.contextmanager
     def admitted(self, request, context: grpc.aio.ServicerContext):
         """Checks credentials and capacity before any work; holds a request slot while the request runs."""
-        metadata = dict(context.invocation_metadata() or ())
-        self.admission.authenticate(metadata.get("authorization"), "the metadata 'authorization: Bearer <token>'")
+        self.authenticate(context)
         check_parsed(request)
         with self.admission.slot():
             yield params_of(request, self.engine.tokenizer, self.engine.config)
@@ -74,8 +80,7 @@ class GenerationServicer:
 
     async def GetStatus(self, request, context):
         try:
-            metadata = dict(context.invocation_metadata() or ())
-            self.admission.authenticate(metadata.get("authorization"), "the metadata 'authorization: Bearer <token>'")
+            self.authenticate(context)
             engine = self.engine
             draft = engine.draft.model_name if engine.draft else ""
             return status_of(engine.workers.status(), self.admission.active, engine.target.model_name, draft)
@@ -127,15 +132,17 @@ class Coordinator:
     health: health.aio.HealthServicer
     port: int
     admission: Admission
-    http: HttpServer | None = None
+    http: "HttpServer | None" = None
     http_port: int | None = None
     http_task: asyncio.Task | None = None
 
-    async def stop(self) -> None:
+    async def stop_http(self) -> None:
         if self.http is not None:
-            await self.http.stop()
-            await self.http_task
-        await self.server.stop(1.0)
+            await self.http.stop(self.http_task)
+
+    async def stop(self) -> None:
+        await self.stop_http()
+        await self.server.stop(FINAL_STOP_SECONDS)
 
 
 async def launch(
@@ -152,10 +159,16 @@ async def launch(
     engine.config.server_address, engine.config.server_port = advertised_host(options.host), bound
     coordinator = Coordinator(server, health_servicer, bound, admission)
     if http_port is not None:
-        app = build_app(engine, admission)
-        coordinator.http, coordinator.http_port, coordinator.http_task = await start_http(
-            app, options.host, http_port, options.tls
-        )
+        from coordinator.http_api import build_app, start_http  # FastAPI and uvicorn only where the API is served
+
+        try:
+            app = build_app(engine, admission)
+            coordinator.http, coordinator.http_port, coordinator.http_task = await start_http(
+                app, options.host, http_port, options.tls
+            )
+        except BaseException:
+            await server.stop(0)
+            raise
     return coordinator
 
 
@@ -196,7 +209,5 @@ async def serve(
     await run_until_signalled(
         coordinator.server, coordinator.health, [SERVICE.full_name], options.grace_period, coordinator.admission.lifecycle
     )
-    if coordinator.http is not None:
-        await coordinator.http.stop()
-        await coordinator.http_task
+    await coordinator.stop_http()  # the drain above waited for its requests too (one admission)
     await workers.close()

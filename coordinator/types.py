@@ -4,6 +4,7 @@ Each round's RoundStats is the one record every sink reads: the round's span att
 metrics, and the response's round list and totals.
 """
 
+from collections import Counter
 from dataclasses import dataclass, field, fields
 
 from common.sampling import SamplingParams
@@ -123,3 +124,11 @@ class GenerationResult:
     @property
     def mean_tokens_per_round(self) -> float:
         return sum(r.committed for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
+    def by_position(self) -> list[tuple[int, int, int]]:
+        """(position, drafted, accepted) per draft position (1-based): what acceptance does along a proposal."""
+        drafted, accepted = Counter(), Counter()
+        for stats in self.rounds:
+            drafted.update(range(1, stats.drafted + 1))
+            accepted.update(range(1, stats.accepted + 1))
+        return [(position, drafted[position], accepted[position]) for position in sorted(drafted)]

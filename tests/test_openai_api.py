@@ -158,25 +158,64 @@ def test_a_missing_or_wrong_token_gets_401(cluster):
     assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
 
 
+def test_the_model_list_needs_the_token_too(cluster):
+    import httpx2
+
+    response = httpx2.get(f"http://127.0.0.1:{cluster.http_port}/v1/models", timeout=10)
+    assert response.status_code == 401
+
+
+def test_null_fields_take_their_defaults_and_other_sdks_fields_are_refused_or_ignored(client):
+    import httpx2
+
+    url = f"http://127.0.0.1:{client.base_url.port}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"model": TARGET, "messages": [{"role": "developer", "content": "brief"}, {"role": "user", "content": "hi"}]}
+    nulls = {"n": None, "stream": None, "frequency_penalty": None, "presence_penalty": None, "seed": -1, "max_tokens": 3}
+    response = httpx2.post(url, json={**body, **nulls, "unknown_field": 1}, headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= 3
+    refused = [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logprobs": True}, "logprobs"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"stop": 5}, "stop"),
+    ]
+    for extra, param in refused:
+        response = httpx2.post(url, json={**body, **extra}, headers=headers, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (extra, response.text)
+
+
 def test_an_unknown_model_gets_404(client):
     with pytest.raises(openai.NotFoundError) as error:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert error.value.status_code == 404 and error.value.body["code"] == "model_not_found"
 
 
+def wait_until_no_sessions(cluster, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while open_sessions(cluster) != (0, 0):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_a_client_that_disconnects_mid_stream_frees_both_sessions(client, cluster):
+    assert wait_until_no_sessions(cluster, 5)
+    # 4,096 tokens take the tiny models several seconds: only the disconnect can free the sessions within one.
     stream = client.completions.create(
-        model=TARGET, prompt="a long answer", max_tokens=2000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        model=TARGET, prompt="a long answer", max_tokens=4096, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
     for i, _ in enumerate(stream):
         if i == 3:
             break
     assert open_sessions(cluster) == (1, 1), "the request holds a session on each worker while it streams"
     stream.close()
-    deadline = time.monotonic() + 5
-    while open_sessions(cluster) != (0, 0):
-        assert time.monotonic() < deadline, "the sessions of the abandoned stream were not freed"
-        time.sleep(0.05)
+    assert wait_until_no_sessions(cluster, 1.0), "the sessions of the abandoned stream were not freed"
 
 
 def test_sixteen_concurrent_streaming_clients_all_complete_with_their_solo_output(client, cluster):
@@ -219,11 +258,11 @@ def in_process_coordinator(scenario, max_concurrent_requests=256, retry_window=3
         config = CoordinatorConfig(target_retry_window=retry_window)
         engine = await build_engine(workers, config, tokenizer=model.tokenizer)
         coordinator = await launch(engine, ServerOptions(host="127.0.0.1"), max_concurrent_requests, http_port=0)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{coordinator.http_port}/v1", api_key="-", max_retries=0)
         try:
-            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{coordinator.http_port}/v1", api_key="-", max_retries=0)
             await scenario(client, target)
-            await client.close()
         finally:
+            await client.close()
             await coordinator.stop()
             await workers.close()
             await target.stop(0)
@@ -238,7 +277,7 @@ def test_a_full_coordinator_answers_429():
         await anext(aiter(holding))
         with pytest.raises(openai.RateLimitError) as error:
             await client.completions.create(model=TARGET, prompt="one more", max_tokens=2)
-        assert error.value.status_code == 429
+        assert error.value.status_code == 429 and error.value.response.headers["retry-after"]
         await holding.close()
 
     in_process_coordinator(scenario, max_concurrent_requests=1)
@@ -250,5 +289,7 @@ def test_an_unavailable_target_answers_503():
         with pytest.raises(openai.InternalServerError) as error:
             await client.completions.create(model=TARGET, prompt="nobody home", max_tokens=2)
         assert error.value.status_code == 503 and "target worker unavailable" in error.value.body["message"]
+        # The coordinator already retried the workers: the SDK is told not to retry.
+        assert error.value.response.headers["x-should-retry"] == "false"
 
     in_process_coordinator(scenario, retry_window=1.0)
