@@ -63,7 +63,10 @@ class CoordinatorServerConfig:
             "ca": ("CA of the workers' certificates", "SPECDEC_WORKER_TLS_CA"),
         },
     )
-    startup_timeout: float = setting(600.0, "seconds to wait for the target worker to report SERVING")
+    startup_timeout: float = setting(600.0, "seconds to wait for a target worker to report SERVING")
+    draft_startup_timeout: float = setting(
+        15.0, "seconds to wait at start-up for a draft worker, after which the coordinator serves target-only until one is up"
+    )
 
 
 @dataclass

@@ -193,7 +193,7 @@ async def serve(
     if workers.has_draft:
         # The draft gets a little longer than the target to come up; after that the coordinator starts without it.
         with contextlib.suppress(Exception):
-            await workers.draft_info(15)
+            await workers.draft_info(settings.draft_startup_timeout)
     engine = await build_engine(workers, config, settings.tokenizer)
     coordinator = await launch(engine, options, settings.max_concurrent_requests, settings.auth_token, settings.http_port)
     log.info(

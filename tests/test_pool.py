@@ -6,6 +6,7 @@ import collections
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -173,6 +174,30 @@ def test_a_dns_target_is_re_resolved_and_the_pool_follows_it(target_model, monke
     asyncio.run(run())
 
 
+@dataclass
+class FailedMidRequest:
+    result: object  # GenerationResult
+    member: object  # the pool member that failed
+    other: object  # the one that took over
+    placed_before: int  # sessions placed on the other before the failure
+
+
+async def failing_mid_request(engine, params, pool, server_at) -> FailedMidRequest:
+    """Runs the request once alone, then again with the worker holding its session (of the pool) stopped after the
+    first delta; checks that the streamed tokens and the result equal the first run's."""
+    reference = (await engine.generate_all(params)).token_ids
+    events = engine.generate(params)
+    first = await anext(events)
+    (member,) = [m for m in pool.members.values() if m.local]
+    other = next(m for m in pool.members.values() if m is not member)
+    placed_before = other.placed
+    await server_at(member.address).stop(0)
+    rest = [e async for e in events]
+    result = rest[-1]
+    assert first.token_ids + [t for e in rest[:-1] for t in e.token_ids] == result.token_ids == reference
+    return FailedMidRequest(result, member, other, placed_before)
+
+
 def test_a_session_that_fails_is_reopened_on_the_other_worker(target_model):
     async def run():
         async with target_servers(target_model, target_model) as (addresses, _, servers):
@@ -182,20 +207,9 @@ def test_a_session_that_fails_is_reopened_on_the_other_worker(target_model):
                 params = GenerationParams(
                     prompt_token_ids=[5, 6, 7], sampling=GREEDY, max_new_tokens=48, num_speculative_tokens=0, ignore_eos=True
                 )
-                reference = (await engine.generate_all(params)).token_ids
-                events = engine.generate(params)
-                first = await anext(events)
-                # The worker holding the session fails mid-request.
-                (member,) = [m for m in workers.target_pool.members.values() if m.local]
-                other = next(m for m in workers.target_pool.members.values() if m is not member)
-                placed_before = other.placed
-                await servers[addresses.index(member.address)].stop(0)
-                rest = [e async for e in events]
-                result = rest[-1]
-                assert result.token_ids == reference
-                assert first.token_ids + [t for e in rest[:-1] for t in e.token_ids] == reference
-                assert other.placed == placed_before + 1, "the session was reopened on the other worker"
-                assert member.health is Health.UNREACHABLE
+                run = await failing_mid_request(engine, params, workers.target_pool, lambda m: servers[addresses.index(m)])
+                assert run.other.placed == run.placed_before + 1, "the session was reopened on the other worker"
+                assert run.member.health is Health.UNREACHABLE
             finally:
                 await workers.close()
 
@@ -253,16 +267,8 @@ def test_a_failed_draft_session_is_reopened_on_the_other_draft_worker(target_mod
                 params = GenerationParams(
                     prompt_token_ids=[5, 6, 7], sampling=GREEDY, max_new_tokens=64, num_speculative_tokens=3, ignore_eos=True
                 )
-                reference = (await engine.generate_all(params)).token_ids
-                events = engine.generate(params)
-                first = await anext(events)
-                (member,) = [m for m in workers.draft_pool.members.values() if m.local]
-                other = next(m for m in workers.draft_pool.members.values() if m is not member)
-                placed_before = other.placed
-                await drafts[draft_addresses.index(member.address)][0].stop(0)
-                rest = [e async for e in events]
-                result = rest[-1]
-                assert first.token_ids + [t for e in rest[:-1] for t in e.token_ids] == result.token_ids == reference
+                run = await failing_mid_request(engine, params, workers.draft_pool, lambda m: drafts[draft_addresses.index(m)][0])
+                result, member, other, placed_before = run.result, run.member, run.other, run.placed_before
                 assert result.fallback_reason == "draft_failed"
                 failed_at = next(i for i, r in enumerate(result.rounds) if r.drafted == 0)
                 assert any(r.drafted > 0 for r in result.rounds[failed_at:]), "the request speculates again"
