@@ -270,10 +270,10 @@ class WorkerPool:
         fewest = min(m.sessions for m in candidates)
         return random.choice([m for m in candidates if m.sessions == fewest])
 
-    async def info(self, timeout: float) -> WorkerInfo:
-        """A usable member's info, waiting up to timeout for the monitor to find one."""
+    async def info(self, timeout: float | None = None) -> WorkerInfo:
+        """A usable member's info, waiting up to timeout (default: first_answer_timeout) for the monitor to find one."""
         self.start()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (self.settings.first_answer_timeout if timeout is None else timeout)
         while True:
             usable = self.usable()
             if usable:

@@ -257,12 +257,10 @@ class GrpcWorkers:
         self.pools = [p for p in (self.target_pool, self.draft_pool) if p is not None]
 
     async def target_info(self, timeout: float | None = None) -> WorkerInfo:
-        return await self.target_pool.info(self.target_pool.settings.first_answer_timeout if timeout is None else timeout)
+        return await self.target_pool.info(timeout)
 
     async def draft_info(self, timeout: float | None = None) -> WorkerInfo | None:
-        if self.draft_pool is None:
-            return None
-        return await self.draft_pool.info(self.draft_pool.settings.first_answer_timeout if timeout is None else timeout)
+        return await self.draft_pool.info(timeout) if self.draft_pool else None
 
     def draft_available(self) -> bool:
         if self.draft_pool is None:
