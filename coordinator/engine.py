@@ -287,15 +287,7 @@ class RequestRun:
             self.fall_back("draft_unavailable" if self.engine.workers.has_draft else "no_draft_worker")
         draft_opening = None
         if use_draft:
-            draft_opening = asyncio.ensure_future(
-                self.engine.workers.open_draft(
-                    self.params.prompt_token_ids,
-                    self.params.sampling,
-                    self.config.max_q_entries,
-                    parent,
-                    self.config.draft_timeout,
-                )
-            )
+            draft_opening = asyncio.ensure_future(self.opening_draft([], self.params.sampling, parent))
         try:
             await self.open_target([], parent)
         except BaseException:
@@ -312,6 +304,13 @@ class RequestRun:
             except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
                 self.fall_back("draft_open_failed", error)
 
+    def opening_draft(self, committed: list[int], sampling, parent: Context):
+        """Opens a draft session on the prompt and the committed tokens; each draft worker tried gets the draft's
+        deadline to open it."""
+        return self.engine.workers.open_draft(
+            self.params.prompt_token_ids + committed, sampling, self.config.max_q_entries, parent, self.config.draft_timeout
+        )
+
     async def reopen_draft(self) -> bool:
         """After a draft worker failed mid-request: a draft session on another healthy draft worker, prefilled with
         the prompt and every committed token, so that the request speculates again (a few tries per request)."""
@@ -320,13 +319,7 @@ class RequestRun:
         self.draft_reopens += 1
         sampling = replace(self.params.sampling, seed=derived_seed(self.params.sampling.seed, self.draft_reopens, "reopen-draft"))
         try:
-            opening = self.engine.workers.open_draft(
-                self.params.prompt_token_ids + self.output.token_ids,
-                sampling,
-                self.config.max_q_entries,
-                self.root_context,
-                self.config.draft_timeout,
-            )
+            opening = self.opening_draft(self.output.token_ids, sampling, self.root_context)
             self.draft = await asyncio.wait_for(opening, self.config.draft_timeout)
         except asyncio.CancelledError:
             raise

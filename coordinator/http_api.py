@@ -289,16 +289,32 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def classified(error: Exception) -> tuple[int, str, str]:
+    """(status, OpenAI error type, message) of an engine error; anything unexpected is logged and told as a bare
+    internal error."""
+    status, kind = ERROR_STATUS.get(type(error), (500, "internal_error"))
+    if status == 500:
+        log.exception("internal error", exc_info=error)
+        return status, kind, "internal error"
+    return status, kind, str(error) or type(error).__name__
+
+
+async def release(events, slot: contextlib.ExitStack) -> None:
+    """Closes the engine's generator (its sessions with it) and gives the request slot back, whatever happens."""
+    try:
+        if events is not None:
+            await events.aclose()
+    finally:
+        slot.close()
+
+
 def error_response(error: Exception, body: RequestFields | None = None, admitted: bool = False) -> JSONResponse:
     """An engine error in OpenAI's error shape with the matching status; anything unexpected is a logged 500.
 
     admitted: the request ran, and the coordinator already spent its own retries on the workers: the openai SDK is
     told not to retry it (it honours x-should-retry). A refusal at admission while draining closes the connection,
     so that a retry goes out on a new one, which a load balancer may send to another coordinator."""
-    status, kind = ERROR_STATUS.get(type(error), (500, "internal_error"))
-    if status == 500:
-        log.exception("internal error", exc_info=error)
-    message = "internal error" if status == 500 else str(error) or type(error).__name__
+    status, kind, message = classified(error)
     param = param_of(error.field, body) if isinstance(error, InvalidArgument) else None
     headers = {}
     if status == 401:
@@ -432,15 +448,10 @@ def build_app(engine: GenerationEngine, admission: Admission) -> FastAPI:
             return error_response(error, body, admitted)
         finally:
             if not handed_off:
-                if events is not None:
-                    await events.aclose()
-                slot.close()
+                await release(events, slot)
 
         async def close() -> None:
-            try:
-                await events.aclose()
-            finally:
-                slot.close()
+            await release(events, slot)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(stream_events(first, events, completion, include_usage), close)
@@ -475,10 +486,7 @@ async def whole_response(request: Request, events, completion: Completion, slot:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)  # the generator is not running when it is closed
-        try:
-            await events.aclose()
-        finally:
-            slot.close()
+        await release(events, slot)
 
 
 async def last_event(events):
@@ -507,10 +515,8 @@ async def stream_events(first, events, completion: Completion, include_usage: bo
                 break
             event = await anext(events)
     except Exception as error:  # noqa: BLE001 - reported in the stream
-        status, kind = ERROR_STATUS.get(type(error), (500, "internal_error"))
-        if status == 500:
-            log.exception("internal error", exc_info=error)
-        yield sse(error_body("internal error" if status == 500 else str(error) or type(error).__name__, kind))
+        _, kind, message = classified(error)
+        yield sse(error_body(message, kind))
     yield sse("[DONE]")
 
 
