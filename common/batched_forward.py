@@ -108,17 +108,40 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
     )
 
 
+# Up to this many new tokens of a session (a decoding step, a verification) attend one query row at a time when the
+# model asks for row-exact attention: each row then runs the very computation of a one-token step at its position,
+# bit for bit. A fused multi-row attention accumulates in another order (differences of 1e-7), which a model on
+# quantized activations (the gguf engine) can amplify to a different token. Longer feeds (prefills) run as one
+# masked call: a prompt is prefilled the same way alone or in any batch, since attention is per session.
+ROW_EXACT_QUERY_ROWS = 16
+
+
+def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """attend, one query row at a time, each against the keys up to its own position."""
+    n, length = query.shape[-2], keys.shape[-2]
+    rows = [
+        attend(query[..., i : i + 1, :], keys[..., : length - n + i + 1, :], values[..., : length - n + i + 1, :], scaling)
+        for i in range(n)
+    ]
+    return rows[0] if n == 1 else torch.cat(rows, dim=-2)
+
+
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention for a packed batch: key and value are lists, one session's full cache each (see RaggedCache).
 
     Called with plain tensors (a forward pass that did not come through forward_sessions, e.g. Hugging Face's
     generate on this model), it treats them as one unpadded sequence.
     """
+    row_exact = getattr(module.config, "row_exact_attention", False)
+
+    def one(q, k, v):
+        return attend_rows(q, k, v, scaling) if row_exact and q.shape[-2] <= ROW_EXACT_QUERY_ROWS else attend(q, k, v, scaling)
+
     if isinstance(key, torch.Tensor):
-        output = attend(query, key, value, scaling)
+        output = one(query, key, value)
     else:
         queries = query.split(kwargs["ragged_lengths"], dim=-2)
-        output = torch.cat([attend(q, k, v, scaling) for q, k, v in zip(queries, key, value, strict=True)], dim=-2)
+        output = torch.cat([one(q, k, v) for q, k, v in zip(queries, key, value, strict=True)], dim=-2)
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -167,9 +167,15 @@ class WorkerConfig:
     model: str = setting(DEFAULT_TARGET_MODEL, "HF id or path, smollm2-135m, or tiny-random:...")
     device: str = setting("cpu", "cpu, cuda or cuda:N")
     dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    engine: str = setting(
+        "auto",
+        "gguf: compute on the GGUF file's own quantized blocks (CPU, AVX2); torch: the model de-quantised to float32 "
+        "(bfloat16 on a GPU), equal to Hugging Face's generate; auto: gguf for a GGUF model on such a CPU, else torch",
+        choices=["auto", "torch", "gguf"],
+    )
     linear: str = setting(
         "auto",
-        "linear layers on weights packed once for oneDNN (auto: on a CPU with float32) or transformers' own",
+        "torch engine: linear layers on weights packed once for oneDNN (auto: on a CPU with float32) or transformers' own",
         choices=["auto", "packed", "eager"],
     )
     max_sessions: int = setting(64, "most sessions held at once")

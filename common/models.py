@@ -55,6 +55,7 @@ class LoadedModel:
     max_context_length: int
     device: torch.device
     dtype: torch.dtype
+    engine: str = "torch"  # or "gguf": see resolve_engine
 
 
 def parse_spec_params(spec: str, prefix: str, defaults: dict[str, float]) -> dict[str, float]:
@@ -297,11 +298,14 @@ class RestrictedHead(torch.nn.Module):
 
     def __init__(self, head: torch.nn.Linear, token_ids: torch.Tensor, vocab_size: int):
         super().__init__()
-        self.linear = torch.nn.Linear(head.in_features, len(token_ids), bias=head.bias is not None)
-        with torch.no_grad():
-            self.linear.weight.copy_(head.weight[token_ids])
-            if head.bias is not None:
-                self.linear.bias.copy_(head.bias[token_ids])
+        if hasattr(head, "select_rows"):  # a layer on quantized blocks (the gguf engine): its rows are exact
+            self.linear = head.select_rows(token_ids.cpu())
+        else:
+            self.linear = torch.nn.Linear(head.in_features, len(token_ids), bias=head.bias is not None)
+            with torch.no_grad():
+                self.linear.weight.copy_(head.weight[token_ids])
+                if head.bias is not None:
+                    self.linear.bias.copy_(head.bias[token_ids])
         self.register_buffer("token_ids", token_ids)
         self.vocab_size = vocab_size
 
@@ -323,7 +327,7 @@ def frequent_token_ids(loaded: LoadedModel, count: int) -> torch.Tensor:
 def restrict_vocab(loaded: LoadedModel, count: int) -> LoadedModel:
     """The model with an output layer over its count most frequent tokens (see RestrictedHead)."""
     head = loaded.model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
+    if not isinstance(head, torch.nn.Linear) and not hasattr(head, "select_rows"):
         raise InvalidArgument("model", f"{loaded.name!r}: #vocab needs a plain linear output layer")
     loaded.model.set_output_embeddings(RestrictedHead(head, frequent_token_ids(loaded, count), loaded.vocab_size))
     loaded.model.config.tie_word_embeddings = False  # the head no longer shares the input embeddings' tensor
@@ -331,14 +335,57 @@ def restrict_vocab(loaded: LoadedModel, count: int) -> LoadedModel:
 
 
 LINEAR_KERNELS = ("auto", "packed", "eager")
+ENGINES = ("auto", "torch", "gguf")
 
 
-def load_model(spec: str, device: str = "cpu", dtype: str = "auto", linear: str = "auto") -> LoadedModel:
-    """The model of a --model spec. linear: "auto" runs the linear layers on oneDNN-packed weights where that
-    path serves the model (CPU, float32), "packed" requires it, "eager" keeps transformers' own layers."""
+def gguf_path(spec: str) -> str | None:
+    """The GGUF file a (variant-free) spec loads from, or None when it loads from elsewhere."""
+    if is_tiny_random(spec) or spec.startswith(RANDOM_SHAPE_PREFIX + ":"):
+        return None
+    source, kwargs = hf_source(spec) if spec == SMOLLM2_ALIAS or spec in CHUNKED_MODELS else (spec, {})
+    if "gguf_file" in kwargs:
+        return os.path.join(source, kwargs["gguf_file"])
+    return spec if spec.endswith(".gguf") and os.path.isfile(spec) else None
+
+
+def resolve_engine(engine: str, spec: str, device: str, dtype: str) -> str:
+    """The engine a worker runs: "gguf" (the file's own quantized blocks, common.quantized) or "torch" (the model
+    de-quantised to float32, or bfloat16 on a GPU). auto: gguf for a GGUF model on a CPU with AVX2 and no dtype
+    asked for, being 4-5x faster there; torch otherwise. Both are exact in specdec's sense (batch-invariant, greedy
+    speculative output equal to target-only); only torch's float32 also equals Hugging Face's generate."""
+    if engine not in ENGINES:
+        raise InvalidArgument("engine", f"{engine!r}: expected one of {', '.join(ENGINES)}")
+    if engine == "torch":
+        return engine
+    from common.quantized.kernels import unavailable_reason
+
+    base, variants = spec.split("#")[0], spec.split("#")[1:]
+    reasons = [
+        "#int8 is the torch engine's quantization" if "int8" in variants else None,
+        None if gguf_path(base) else f"{base!r} is not a GGUF model",
+        None if resolve_device(device).type == "cpu" else "it runs on the CPU only",
+        None if dtype in ("auto", "float32") else f"it computes in float32 and int8, not {dtype}",
+        unavailable_reason(),
+    ]
+    reason = next((r for r in reasons if r), None)
+    if engine == "gguf" and reason:
+        raise InvalidArgument("engine", f"the gguf engine cannot serve {spec!r}: {reason}")
+    return "torch" if reason else "gguf"
+
+
+def load_model(
+    spec: str, device: str = "cpu", dtype: str = "auto", linear: str = "auto", engine: str = "torch"
+) -> LoadedModel:
+    """The model of a --model spec. engine: see resolve_engine. linear (the torch engine): "auto" runs the linear
+    layers on oneDNN-packed weights where that path serves the model (CPU, float32), "packed" requires it,
+    "eager" keeps transformers' own layers."""
     if linear not in LINEAR_KERNELS:
         raise InvalidArgument("linear", f"{linear!r}: expected one of {', '.join(LINEAR_KERNELS)}")
     started = time.monotonic()
+    if resolve_engine(engine, spec, device, dtype) == "gguf":
+        loaded = load_unpacked(spec, device, dtype, quantized=True)
+        log.info("loaded %s (gguf engine) in %.1f s", spec, time.monotonic() - started)
+        return loaded
     loaded = load_unpacked(spec, device, dtype)
     log.info("loaded %s in %.1f s", spec, time.monotonic() - started)
     packable = can_pack(loaded.model)
@@ -353,10 +400,12 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "auto", linear: str 
     return loaded
 
 
-def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto", quantized: bool = False) -> LoadedModel:
     base, variant = split_variant(spec)
     if variant is not None:
-        return make_variant(load_unpacked(base, device, dtype), variant, spec)
+        return make_variant(load_unpacked(base, device, dtype, quantized), variant, spec)
+    if quantized:
+        return load_quantized(spec)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if is_tiny_random(spec):
@@ -374,3 +423,27 @@ def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto") -> Loaded
     config = model.config.get_text_config()
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
     return LoadedModel(spec, model, tokenizer, int(config.vocab_size), max_context, torch_device, torch_dtype)
+
+
+def load_quantized(spec: str) -> LoadedModel:
+    """A GGUF model on its own quantized blocks (the gguf engine, common.quantized)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from common.quantized.loader import build_quantized_model
+
+    path = gguf_path(spec)
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as error:  # noqa: BLE001 - transformers reports a bad file in many ways
+        raise InvalidArgument("model", f"{path}: unreadable GGUF metadata ({type(error).__name__}: {error})") from None
+    model = build_quantized_model(path, config)
+    hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    try:
+        generation_config = GenerationConfig.from_pretrained(folder, gguf_file=name)
+    except OSError:
+        generation_config = None
+    tokenizer = HFTokenizer(hf_tokenizer, eos_ids_of(config, generation_config, hf_tokenizer))
+    text = config.get_text_config()
+    max_context = int(getattr(text, "max_position_embeddings", 0) or 0)
+    return LoadedModel(spec, model, tokenizer, int(text.vocab_size), max_context, torch.device("cpu"), torch.float32, "gguf")

@@ -71,11 +71,11 @@ async def resolve(host: str, port: int) -> list[str]:
     return sorted({join_host_port(info[4][0], port) for info in infos})
 
 
-def identity(info: WorkerInfo) -> tuple[str, str, str]:
-    """What a target's greedy output depends on beyond the tokenizer: the model, its dtype and the kind of device
-    (a CPU and a GPU round differently). A session is reopened only on a member of the same identity, so that a
+def identity(info: WorkerInfo) -> tuple[str, str, str, str]:
+    """What a target's greedy output depends on beyond the tokenizer: the model, its engine and dtype and the kind
+    of device (a CPU and a GPU round differently, and so do the engines). A session is reopened only on a member of the same identity, so that a
     request never continues on other numerics (a rolling update of the model serves both for a while)."""
-    return info.model_name, info.dtype, info.device.split(":")[0]
+    return info.model_name, info.engine, info.dtype, info.device.split(":")[0]
 
 
 class Member:

@@ -33,6 +33,7 @@ class WorkerInfo:
     max_sessions: int
     eos_token_ids: list[int] = field(default_factory=list)
     forward_costs: list[tuple[int, float]] = field(default_factory=list)  # (tokens, ms), see worker.proto
+    engine: str = ""  # "gguf" or "torch" (see worker.proto)
 
 
 class DraftSession(Protocol):

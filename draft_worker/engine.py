@@ -318,4 +318,5 @@ class DraftEngine:
             "max_sessions": self.sessions.max_sessions,
             "eos_token_ids": loaded.tokenizer.eos_token_ids if loaded else [],
             "forward_costs": self.forward_costs,
+            "engine": loaded.engine if loaded else "",
         }

@@ -263,4 +263,5 @@ class TargetEngine:
             "max_sessions": self.sessions.max_sessions,
             "eos_token_ids": loaded.tokenizer.eos_token_ids,
             "forward_costs": self.forward_costs,
+            "engine": loaded.engine,
         }

@@ -1,0 +1,177 @@
+"""GGUF's quantized blocks decoded into the layouts the kernels read (common/quantized/kernels.cpp).
+
+Every conversion is exact: the kernels compute with the file's own integer codes and scales, so the weights they
+multiply are the GGUF's weights, value for value (the float scales are fp16 in the file and float32 here). Block
+layouts as llama.cpp's ggml-common.h defines them; `dequantize` computes the weights these tensors stand for, for
+the tests and the float64 reference.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+# The block formats the kernels compute on, and the others this module reads as float (norms, biases).
+KERNEL_FORMATS = (Q.Q4_K, Q.Q6_K, Q.Q4_1, Q.Q8_0, Q.Q5_0)
+FLOAT_FORMATS = (Q.F32, Q.F16)
+
+
+class UnsupportedFormat(ValueError):
+    pass
+
+
+@dataclass
+class PackedWeight:
+    """One [out_features, in_features] matrix in a kernel's layout: `kernel` names the kernel, `tensors` its
+    operands after the activations, in the kernel's order."""
+
+    kernel: str
+    out_features: int
+    in_features: int
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def fp16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 bytes [..., 2] as float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def blocks(raw: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
+    """A tensor's bytes [rows, row bytes] as [rows, blocks, block bytes]."""
+    return raw.reshape(rows, -1, block_bytes)
+
+
+def interleave_nibbles(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes [rows, K] in weight order -> [rows, K/2] bytes: in every 64 weights, byte i holds weight i in its
+    low nibble and weight 32 + i in its high one (Q4_K's own layout)."""
+    rows, k = codes.shape
+    chunks = codes.reshape(rows, k // 64, 2, 32)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(rows, k // 2).astype(np.uint8)
+
+
+def q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of packed 6-bit scales and mins -> (scales [..., 8], mins [..., 8]) (get_scale_min_k4)."""
+    q = scales.astype(np.uint8)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def pack_q4_k(raw: np.ndarray, n: int, k: int) -> PackedWeight:
+    b = blocks(raw, n, 144)  # d fp16, dmin fp16, scales[12], qs[128]
+    sc, mn = q4_k_scales(b[..., 4:16])
+    return PackedWeight(
+        "q4k",
+        n,
+        k,
+        (
+            torch.from_numpy(np.ascontiguousarray(b[..., 16:144]).reshape(n, k // 2)),
+            torch.from_numpy(np.ascontiguousarray(sc).reshape(n, k // 32)),
+            torch.from_numpy(np.ascontiguousarray(mn).reshape(n, k // 32)),
+            torch.from_numpy(fp16(b[..., 0:2])),
+            torch.from_numpy(fp16(b[..., 2:4])),
+        ),
+    )
+
+
+def q6_k_codes(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q6_K's low 4 bits [..., 128] and high 2 bits [..., 64] -> the 6-bit codes [..., 256] in weight order."""
+    out = []
+    for half in range(2):
+        low, high = ql[..., 64 * half : 64 * half + 64], qh[..., 32 * half : 32 * half + 32]
+        out += [
+            (low[..., :32] & 0xF) | (((high >> 0) & 3) << 4),
+            (low[..., 32:] & 0xF) | (((high >> 2) & 3) << 4),
+            (low[..., :32] >> 4) | (((high >> 4) & 3) << 4),
+            (low[..., 32:] >> 4) | (((high >> 6) & 3) << 4),
+        ]
+    return np.concatenate(out, axis=-1).astype(np.uint8)
+
+
+def pack_q6_k(raw: np.ndarray, n: int, k: int) -> PackedWeight:
+    b = blocks(raw, n, 210)  # ql[128], qh[64], scales[16] (int8), d fp16
+    return PackedWeight(
+        "q6k",
+        n,
+        k,
+        (
+            torch.from_numpy(q6_k_codes(b[..., 0:128], b[..., 128:192]).reshape(n, k)),
+            torch.from_numpy(np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, k // 16)),
+            torch.from_numpy(fp16(b[..., 208:210])),
+        ),
+    )
+
+
+def nibbles_in_order(qs: np.ndarray) -> np.ndarray:
+    """16 bytes of a 32-weight block (weights j and 16 + j in byte j) -> 32 codes in weight order."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def pack_q4_1(raw: np.ndarray, n: int, k: int) -> PackedWeight:
+    if k % 64:
+        raise UnsupportedFormat(f"Q4_1 rows of {k} values (the kernel needs a multiple of 64)")
+    b = blocks(raw, n, 20)  # d fp16, m fp16, qs[16]
+    codes = nibbles_in_order(b[..., 4:20]).reshape(n, k)
+    return PackedWeight(
+        "q41",
+        n,
+        k,
+        (torch.from_numpy(interleave_nibbles(codes)), torch.from_numpy(fp16(b[..., 0:2])), torch.from_numpy(fp16(b[..., 2:4]))),
+    )
+
+
+def pack_q8_0(raw: np.ndarray, n: int, k: int) -> PackedWeight:
+    b = blocks(raw, n, 34)  # d fp16, qs[32] (int8)
+    codes = np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k)
+    return PackedWeight("q80", n, k, (torch.from_numpy(codes), torch.from_numpy(fp16(b[..., 0:2]))))
+
+
+def q5_0_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0's 4 bytes of fifth bits and 16 bytes of nibbles -> signed codes [..., 32] (weight = d * code)."""
+    bits = np.ascontiguousarray(qh).view("<u4")[..., 0:1] >> np.arange(32, dtype=np.uint32)
+    return (nibbles_in_order(qs) | ((bits & 1).astype(np.uint8) << 4)).astype(np.int16) - 16
+
+
+def pack_q5_0(raw: np.ndarray, n: int, k: int) -> PackedWeight:
+    b = blocks(raw, n, 22)  # d fp16, qh[4], qs[16]
+    codes = q5_0_codes(b[..., 2:6], b[..., 6:22]).astype(np.int8).reshape(n, k)
+    return PackedWeight("q80", n, k, (torch.from_numpy(codes), torch.from_numpy(fp16(b[..., 0:2]))))
+
+
+PACKERS = {Q.Q4_K: pack_q4_k, Q.Q6_K: pack_q6_k, Q.Q4_1: pack_q4_1, Q.Q8_0: pack_q8_0, Q.Q5_0: pack_q5_0}
+
+
+def pack(raw: np.ndarray, qtype: Q, n: int, k: int) -> PackedWeight:
+    """A GGUF tensor's bytes [n, row bytes] of `qtype` in its kernel's layout."""
+    if qtype not in PACKERS:
+        supported = ", ".join(t.name for t in KERNEL_FORMATS)
+        raise UnsupportedFormat(f"block format {qtype.name} (the gguf engine computes on {supported})")
+    return PACKERS[qtype](np.ascontiguousarray(raw), n, k)
+
+
+def dequantize(weight: PackedWeight) -> torch.Tensor:
+    """The float64 weights [n, k] a packed matrix stands for."""
+    t = [x.double() if x.is_floating_point() else x.long() for x in weight.tensors]
+    n, k = weight.out_features, weight.in_features
+    if weight.kernel == "q4k":
+        codes, sc, mn, d, dmin = t
+        low, high = codes.reshape(n, k // 64, 32) & 0xF, codes.reshape(n, k // 64, 32) >> 4
+        q = torch.stack([low, high], dim=2).reshape(n, k // 32, 32).double()
+        groups = d.repeat_interleave(8, dim=1) * sc, dmin.repeat_interleave(8, dim=1) * mn
+        return (q * groups[0][..., None] - groups[1][..., None]).reshape(n, k)
+    if weight.kernel == "q6k":
+        codes, sc, d = t
+        scale = d.repeat_interleave(16, dim=1) * sc
+        return ((codes.reshape(n, k // 16, 16) - 32).double() * scale[..., None]).reshape(n, k)
+    if weight.kernel == "q41":
+        codes, d, m = t
+        low, high = codes.reshape(n, k // 64, 32) & 0xF, codes.reshape(n, k // 64, 32) >> 4
+        q = torch.stack([low, high], dim=2).reshape(n, k // 32, 32).double()
+        return (q * d[..., None] + m[..., None]).reshape(n, k)
+    codes, d = t
+    return (codes.reshape(n, k // 32, 32).double() * d[..., None]).reshape(n, k)

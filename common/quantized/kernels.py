@@ -1,0 +1,94 @@
+"""The C++ kernels (kernels.cpp), compiled once per machine with the compiler on it and cached.
+
+The first use builds them (about a minute with 2 cores) into the specdec cache directory, where later processes
+find them; `python -m common.quantized.kernels` builds them ahead of time (the Makefile and the Docker image do).
+They need an x86-64 CPU with AVX2 and FMA, and a C++ compiler.
+"""
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from common.model_files import cache_dir
+
+log = logging.getLogger("specdec")
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+NAME = "specdec_gguf_kernels"
+# Flags every AVX2 machine has, never -march=native: one cache directory (a Docker image, a shared volume) may
+# serve machines of different CPUs. -ffp-contract=off keeps each product's float operations exactly as written,
+# which is what makes a row's result independent of the row tile it is computed in.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
+# at::parallel_for is OpenMP in torch's CPU build: the extension must be built with it to run on torch's threads (the
+# libgomp it links is the one torch has loaded, so torch.set_num_threads governs both).
+LDFLAGS = ["-fopenmp"]
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run here, or None."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    return None
+
+
+def build_directory() -> Path:
+    """Where the compiled module lives: SPECDEC_KERNELS_DIR (a Docker image builds it there at image build time),
+    else the specdec cache."""
+    base = os.environ.get("SPECDEC_KERNELS_DIR")
+    return Path(base) if base else cache_dir() / "kernels" / f"torch-{torch.__version__}"
+
+
+def fingerprint() -> str:
+    """What a built module was built from: the source, the flags and torch's version."""
+    text = SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode() + torch.__version__.encode()
+    return hashlib.sha256(text).hexdigest()
+
+
+def import_built(build: Path):
+    """The module built earlier from this very source, imported without torch's build machinery (which takes a lock
+    file in the folder: a read-only image could not run it), or None."""
+    stamp, library = build / "fingerprint", build / f"{NAME}.so"
+    if not (stamp.is_file() and library.is_file() and stamp.read_text() == fingerprint()):
+        return None
+    spec = importlib.util.spec_from_file_location(NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def kernels():
+    """The compiled module (built on first use)."""
+    reason = unavailable_reason()
+    if reason:
+        raise RuntimeError(f"the gguf kernels cannot run here: {reason}")
+    build = build_directory()
+    module = import_built(build)
+    if module is not None:
+        return module
+    from torch.utils.cpp_extension import load
+
+    build.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    module = load(
+        name=NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build),
+        verbose=bool(os.environ.get("SPECDEC_VERBOSE_BUILD")),
+    )
+    (build / "fingerprint").write_text(fingerprint())
+    log.info("gguf kernels built in %.1f s (%s)", time.monotonic() - started, build)
+    return module
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    kernels()

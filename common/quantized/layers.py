@@ -1,0 +1,63 @@
+"""Layers on GGUF's quantized blocks: a linear layer on one of the kernels, an embedding that de-quantises only
+the rows it looks up."""
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from common.quantized.formats import PackedWeight
+from common.quantized.kernels import kernels
+
+
+class QuantizedLinear(torch.nn.Module):
+    """y = x W^T + b with W in GGUF blocks. A row's result is bit-identical whatever else is in the call (see
+    kernels.cpp), so a session's logits do not depend on the row count of the pass or on its batch-mates."""
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.kernel, self.in_features, self.out_features = weight.kernel, weight.in_features, weight.out_features
+        self.names = [f"w{i}" for i in range(len(weight.tensors))]
+        for name, tensor in zip(self.names, weight.tensors, strict=True):
+            self.register_buffer(name, tensor)
+        self.register_buffer("bias", bias)
+        self.matmul = getattr(kernels(), f"{self.kernel}_matmul")
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.kernel, self.out_features, self.in_features, tuple(getattr(self, n) for n in self.names))
+
+    def select_rows(self, rows: torch.Tensor) -> "QuantizedLinear":
+        """The layer over some output features only (rows are independent blocks: an exact selection)."""
+        tensors = tuple(getattr(self, n).reshape(self.out_features, -1)[rows].contiguous() for n in self.names)
+        bias = None if self.bias is None else self.bias[rows].contiguous()
+        return QuantizedLinear(PackedWeight(self.kernel, len(rows), self.in_features, tensors), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = self.matmul(rows, *(getattr(self, n) for n in self.names), self.out_features, self.in_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+
+
+class QuantizedEmbedding(torch.nn.Module):
+    """Token embeddings kept as the file's blocks ([vocab, row bytes]); a lookup de-quantises the rows it reads
+    (151,936 x 1,536 floats would be 0.9 GB for Qwen2.5-1.5B)."""
+
+    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, embedding_dim: int):
+        super().__init__()
+        self.qtype, self.embedding_dim = qtype, embedding_dim
+        self.register_buffer("blocks", torch.from_numpy(np.ascontiguousarray(raw)))
+        self.num_embeddings = raw.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks[ids.reshape(-1).cpu()].numpy()
+        values = quants.dequantize(rows, self.qtype) if self.qtype != GGMLQuantizationType.F32 else rows.view(np.float32)
+        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, self.embedding_dim))
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, blocks={self.qtype.name}"

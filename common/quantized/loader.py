@@ -1,0 +1,133 @@
+"""A transformers model whose linear layers and embeddings compute on a GGUF file's own quantized blocks.
+
+transformers builds the architecture (attention, norms, rotary embeddings) on the meta device; every linear layer
+and the embeddings are then replaced by layers over the file's blocks (common.quantized.layers) and the norms and
+biases are read as float32. Nothing is de-quantised to a float32 copy: the 1.5B loads in seconds and holds its
+1 GB of blocks, not 7 GB of floats.
+"""
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from common.errors import InvalidArgument
+from common.quantized.formats import FLOAT_FORMATS, UnsupportedFormat, pack
+from common.quantized.layers import QuantizedEmbedding, QuantizedLinear
+
+log = logging.getLogger("specdec")
+
+ARCHITECTURES = ("llama", "qwen2")
+# llama.cpp's blk.N names -> transformers' module paths under model.layers.N
+LAYER_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's conversion of a llama q or k projection (transformers'
+    reverse_permute_weights, applied to row indices: the rows are independent blocks, so this is exact)."""
+    dim = rows // heads // 2
+    return np.arange(rows).reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
+
+
+class GGUFTensors:
+    """A GGUF file's tensors by name, with errors that name the file and the tensor."""
+
+    def __init__(self, path: str):
+        from gguf import GGUFReader
+
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+        except Exception as error:  # noqa: BLE001 - a truncated or corrupt file fails in many ways inside gguf
+            raise InvalidArgument("model", f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str):
+        if name not in self.tensors:
+            raise InvalidArgument("model", f"{self.path}: tensor {name} is missing")
+        return self.tensors[name]
+
+    def floats(self, name: str) -> torch.Tensor:
+        t = self.get(name)
+        if t.tensor_type not in FLOAT_FORMATS:
+            raise InvalidArgument("model", f"{self.path}: {name} is {t.tensor_type.name}, expected F32 or F16")
+        return torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(-1))
+
+    def linear(self, name: str, rows: np.ndarray | None = None, bias: str | None = None) -> QuantizedLinear:
+        t = self.get(name)
+        k, n = int(t.shape[0]), int(t.shape[1])
+        raw = np.asarray(t.data)
+        if raw.ndim != 2 or raw.shape[0] != n:
+            raise InvalidArgument("model", f"{self.path}: {name} has {raw.shape} bytes for a [{n}, {k}] matrix")
+        if rows is not None:
+            raw = raw[rows]
+        try:
+            weight = pack(raw, t.tensor_type, n, k)
+        except UnsupportedFormat as error:
+            raise InvalidArgument("model", f"{self.path}: {name}: {error}") from None
+        bias_values = None
+        if bias and self.has(bias):
+            bias_values = self.floats(bias)
+            bias_values = bias_values if rows is None else bias_values[torch.from_numpy(rows)].contiguous()
+        return QuantizedLinear(weight, bias_values)
+
+    def embedding(self, name: str) -> QuantizedEmbedding:
+        t = self.get(name)
+        return QuantizedEmbedding(np.asarray(t.data), t.tensor_type, int(t.shape[0]))
+
+
+def build_quantized_model(path: str, config) -> torch.nn.Module:
+    """The model of `config` (read from the same file by transformers) on the file's blocks."""
+    from transformers import AutoModelForCausalLM
+
+    text = config.get_text_config()
+    if config.model_type not in ARCHITECTURES:
+        raise InvalidArgument("engine", f"{path}: the gguf engine runs {', '.join(ARCHITECTURES)} models, not {config.model_type}")
+    started = time.monotonic()
+    tensors = GGUFTensors(path)
+    # Quantized activations amplify float rounding: attention must score each verified token exactly as a one-token
+    # step would (common.batched_forward.attend_rows).
+    config.row_exact_attention = True
+    config.tie_word_embeddings = False  # the head is a layer of its own here, even where it shares the file's tensor
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    decoder = model.get_decoder()
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    for i, layer in enumerate(decoder.layers):
+        for gguf_name, path_in_layer in LAYER_LINEARS.items():
+            rows = None
+            if config.model_type == "llama" and gguf_name in ("attn_q", "attn_k"):
+                count = text.hidden_size if gguf_name == "attn_q" else kv_heads * (text.hidden_size // heads)
+                rows = unpermute_rows(count, heads if gguf_name == "attn_q" else kv_heads)
+            parent_path, _, attr = path_in_layer.rpartition(".")
+            linear = tensors.linear(f"blk.{i}.{gguf_name}.weight", rows, bias=f"blk.{i}.{gguf_name}.bias")
+            setattr(layer.get_submodule(parent_path), attr, linear)
+        for gguf_name, attr in LAYER_NORMS.items():
+            getattr(layer, attr).weight = torch.nn.Parameter(tensors.floats(f"blk.{i}.{gguf_name}.weight"), requires_grad=False)
+    decoder.norm.weight = torch.nn.Parameter(tensors.floats("output_norm.weight"), requires_grad=False)
+    decoder.embed_tokens = tensors.embedding("token_embd.weight")
+    head = "output.weight" if tensors.has("output.weight") else "token_embd.weight"
+    model.set_output_embeddings(tensors.linear(head))
+    with torch.device("cpu"):
+        decoder.rotary_emb = type(decoder.rotary_emb)(config=text)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise InvalidArgument("model", f"{path}: no GGUF tensor for {', '.join(left[:5])}")
+    model.eval().requires_grad_(False)
+    size = sum(t.numel() * t.element_size() for t in model.buffers()) / 2**30
+    log.info("gguf engine: %s on its own blocks in %.1f s (%.2f GiB)", os.path.basename(path), time.monotonic() - started, size)
+    return model

@@ -1,0 +1,215 @@
+"""The gguf engine: kernels on GGUF's own quantized blocks, exact against a float64 reference, bit-identical
+whatever the row count or the batch, and lossless speculation on top of them (greedy equality through gRPC, the
+exact distribution by chi-square)."""
+
+import asyncio
+import functools
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from common.batched_forward import forward_sessions, session_cache
+from common.errors import InvalidArgument
+from common.models import gguf_path, load_model, resolve_engine
+from common.quantized import formats
+from common.quantized.kernels import kernels
+from common.quantized.layers import QuantizedLinear
+from common.sampling import SamplingParams, logits_to_probs
+from coordinator.config import CoordinatorConfig
+from coordinator.in_process import InProcessWorkers
+from coordinator.server import build_engine
+from coordinator.types import GenerationParams
+from draft_worker.engine import DraftEngine
+from draft_worker.ngram import parse_ngram
+from target_worker.engine import TargetEngine
+from tests.conftest import running_services
+from tests.test_distribution import chi_square_p_value
+from tests.test_greedy_equivalence import generate_ids
+
+SMOLLM2 = "smollm2-135m"
+QWEN = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+# One tensor of every block format the kernels take, from the files the project ships.
+TENSORS = [
+    (SMOLLM2, "blk.0.ffn_up.weight"),  # Q4_1
+    (SMOLLM2, "token_embd.weight"),  # Q8_0 (SmolLM2's tied head)
+    ("qwen2.5-coder-1.5b", "blk.0.ffn_gate.weight"),  # Q4_K
+    ("qwen2.5-coder-1.5b", "blk.0.ffn_down.weight"),  # Q6_K
+    ("qwen2.5-coder-0.5b", "blk.0.ffn_up.weight"),  # Q5_0
+]
+ROWS = 96  # output features taken from each tensor: enough for every code path, small enough for a float64 reference
+
+
+@functools.cache
+def tensors_of(spec: str) -> dict:
+    return {t.name: t for t in gguf.GGUFReader(gguf_path(spec)).tensors}
+
+
+def tensor_of(spec: str, name: str):
+    return tensors_of(spec)[name]
+
+
+def packed_slice(spec: str, name: str) -> tuple[formats.PackedWeight, torch.Tensor, gguf.GGMLQuantizationType]:
+    t = tensor_of(spec, name)
+    k = int(t.shape[0])
+    raw = np.asarray(t.data)[:ROWS]
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, t.tensor_type).astype(np.float64)).reshape(ROWS, k)
+    return formats.pack(raw, t.tensor_type, ROWS, k), reference, t.tensor_type
+
+
+@pytest.mark.parametrize("spec,name", TENSORS, ids=lambda v: v)
+def test_packed_blocks_stand_for_the_files_weights_exactly(spec, name):
+    weight, reference, _ = packed_slice(spec, name)
+    assert torch.equal(formats.dequantize(weight), reference)
+
+
+@pytest.mark.parametrize("spec,name", TENSORS, ids=lambda v: v)
+def test_kernel_matches_a_float64_reference_of_the_dequantised_weights(spec, name):
+    weight, reference, _ = packed_slice(spec, name)
+    layer = QuantizedLinear(weight)
+    x = torch.randn(5, weight.in_features, generator=torch.Generator().manual_seed(0))
+    y = layer(x).double()
+    # Against the same product on the activations as the kernel quantizes them (int8 per block): float32 rounding.
+    block = 256 if weight.kernel in ("q4k", "q6k") else 32
+    codes, scales = kernels().quantize_activations(x, block)
+    x_quantized = (codes.double().reshape(5, -1, block) * scales.double()[..., None]).reshape(5, -1)
+    exact = x_quantized @ reference.T
+    assert (y - exact).abs().max() <= 1e-5 * exact.abs().max()
+    # Against float activations: what quantizing them costs, about half a percent (llama.cpp's Q8 activations too).
+    float_exact = x.double() @ reference.T
+    assert (y - float_exact).norm() / float_exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("spec,name", TENSORS, ids=lambda v: v)
+def test_kernel_rows_are_bit_identical_at_every_row_count_and_beside_any_rows(spec, name):
+    weight, _, _ = packed_slice(spec, name)
+    layer = QuantizedLinear(weight)
+    x = torch.randn(17, weight.in_features, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(17)])
+    for rows in range(1, 18):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+    order = torch.randperm(17, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(layer(x[order]), alone[order])
+    # The test can fail: a different row gives a different result.
+    assert not torch.equal(alone[0], alone[1])
+
+
+def test_an_unsupported_block_format_is_refused_by_name():
+    with pytest.raises(formats.UnsupportedFormat, match="Q5_K"):
+        formats.pack(np.zeros((1, 176), np.uint8), gguf.GGMLQuantizationType.Q5_K, 1, 256)
+
+
+def test_a_truncated_gguf_file_is_a_clear_error_naming_it(tmp_path):
+    broken = tmp_path / "truncated.gguf"
+    with open(gguf_path(SMOLLM2), "rb") as source:
+        broken.write_bytes(source.read(3 << 20))
+    with pytest.raises(InvalidArgument) as error:
+        load_model(str(broken), engine="gguf")
+    assert "truncated.gguf" in str(error.value)
+
+
+def test_auto_picks_gguf_for_gguf_models_on_the_cpu_and_torch_otherwise():
+    assert resolve_engine("auto", SMOLLM2, "cpu", "auto") == "gguf"
+    assert resolve_engine("auto", SMOLLM2 + "#layers=3", "cpu", "auto") == "gguf"
+    assert resolve_engine("auto", SMOLLM2 + "#int8", "cpu", "auto") == "torch"
+    assert resolve_engine("auto", SMOLLM2, "cpu", "bfloat16") == "torch"
+    assert resolve_engine("auto", "tiny-random:vocab=64", "cpu", "auto") == "torch"
+    with pytest.raises(InvalidArgument, match="engine"):
+        resolve_engine("gguf", "tiny-random:vocab=64", "cpu", "auto")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(SMOLLM2, engine="gguf")
+
+
+def prefilled(model, prompt):
+    cache = session_cache(len(model.get_decoder().layers))
+    forward_sessions(model, [cache], [prompt], [1])
+    return cache
+
+
+def test_a_sessions_logits_are_bit_identical_alone_in_any_pass_and_in_any_batch(smollm2):
+    model = smollm2.model
+    prompt, feed = list(range(300, 340)), list(range(500, 516))
+    cache = prefilled(model, prompt)
+    steps = torch.stack([forward_sessions(model, [cache], [[t]], [1])[0][0] for t in feed])
+    for k in range(2, 17):
+        cache = prefilled(model, prompt)
+        assert torch.equal(forward_sessions(model, [cache], [feed[:k]], [k])[0], steps[:k]), f"a pass of {k} tokens"
+    others = [prefilled(model, list(range(10 + 3 * j, 30 + 7 * j))) for j in range(3)]
+    cache = prefilled(model, prompt)
+    batch = forward_sessions(model, [others[0], cache, others[1], others[2]], [[1, 2], feed[:5], [5], [7] * 12], [2, 5, 1, 12])
+    assert torch.equal(batch[1], steps[:5])
+
+
+def test_greedy_speculation_on_the_gguf_engine_equals_target_only(smollm2):
+    drafts = [
+        DraftEngine(None, "ngram", ngram=parse_ngram("ngram")),
+        DraftEngine(load_model(SMOLLM2 + "#layers=12", engine="gguf"), SMOLLM2 + "#layers=12"),
+    ]
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef"
+
+    async def run():
+        for draft in drafts:
+            async with running_services(TargetEngine(smollm2), draft) as services:
+                reference, _ = await generate_ids(services.stub, prompt, gamma=0, max_new_tokens=32)
+                for gamma in (1, 3, 6):
+                    ids, stats = await generate_ids(services.stub, prompt, gamma, max_new_tokens=32)
+                    assert ids == reference, f"{draft.name} gamma={gamma} diverged from target-only"
+                    assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0 and not stats.fallback_reason
+
+    asyncio.run(run())
+
+
+DIST_PROMPT = [1, 504, 3456, 314]  # "<|im_start|>" and three ordinary tokens
+DIST_SAMPLES = 600
+
+
+def exact_two_token_distribution(loaded, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(first two tokens), scored the way the worker scores them: the prompt prefilled, then one token a step (a
+    verification's rows are bit-identical to those, as tested above)."""
+    model = loaded.model
+    first = logits_to_probs(forward_sessions(model, [prefilled(model, DIST_PROMPT[:-1])], [[DIST_PROMPT[-1]]], [1])[0].float(), params)[0]
+    out = {}
+    for a in torch.nonzero(first).flatten().tolist():
+        cache = prefilled(model, DIST_PROMPT[:-1])
+        forward_sessions(model, [cache], [[DIST_PROMPT[-1]]], [1])
+        second = logits_to_probs(forward_sessions(model, [cache], [[a]], [1])[0].float(), params)[0]
+        for b in torch.nonzero(second).flatten().tolist():
+            out[(a, b)] = float(first[a] * second[b])
+    return out
+
+
+def test_speculative_samples_on_the_gguf_engine_follow_the_exact_target_distribution(smollm2):
+    params = SamplingParams(temperature=1.5, top_k=3)
+    draft = load_model(SMOLLM2 + "#layers=6", engine="gguf")
+
+    async def run():
+        workers = InProcessWorkers(TargetEngine(smollm2, calibrate=False), DraftEngine(draft, "draft", calibrate=False))
+        engine = await build_engine(workers, CoordinatorConfig(), tokenizer=smollm2.tokenizer)
+        out, drafted = [], 0
+        for seed in range(DIST_SAMPLES):
+            sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
+            result = await engine.generate_all(GenerationParams(DIST_PROMPT, sampling, 2, 2, ignore_eos=True))
+            out.append(tuple(result.token_ids))
+            drafted += result.drafted_tokens
+        return out, drafted
+
+    samples, drafted = asyncio.run(run())
+    assert drafted > 0
+    exact = exact_two_token_distribution(smollm2, params)
+    assert sum(exact.values()) == pytest.approx(1.0, abs=1e-5)
+    assert chi_square_p_value(samples, exact) > 1e-3
+    # The test can fail: the draft's own distribution is clearly rejected by the same samples (some fall outside
+    # its top-k support, or the counts do not fit it).
+    wrong = exact_two_token_distribution(draft, params)
+    assert any(s not in wrong for s in samples) or chi_square_p_value(samples, wrong) < 1e-6
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+def test_the_kernels_build_into_the_cache_directory():
+    assert os.path.isdir(os.path.dirname(kernels().__file__))
