@@ -100,7 +100,8 @@ def pack_q6_k(raw: np.ndarray, n: int, k: int) -> PackedWeight:
         n,
         k,
         (
-            torch.from_numpy(q6_k_codes(b[..., 0:128], b[..., 128:192]).reshape(n, k)),
+            torch.from_numpy(np.ascontiguousarray(b[..., 0:128]).reshape(n, k // 2)),
+            torch.from_numpy(np.ascontiguousarray(b[..., 128:192]).reshape(n, k // 4)),
             torch.from_numpy(np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, k // 16)),
             torch.from_numpy(fp16(b[..., 208:210])),
         ),
@@ -165,7 +166,8 @@ def dequantize(weight: PackedWeight) -> torch.Tensor:
         groups = d.repeat_interleave(8, dim=1) * sc, dmin.repeat_interleave(8, dim=1) * mn
         return (q * groups[0][..., None] - groups[1][..., None]).reshape(n, k)
     if weight.kernel == "q6k":
-        codes, sc, d = t
+        ql, qh, sc, d = weight.tensors[0].numpy(), weight.tensors[1].numpy(), t[2], t[3]
+        codes = torch.from_numpy(q6_k_codes(ql.reshape(n, k // 256, 128), qh.reshape(n, k // 256, 64)).astype(np.int64))
         scale = d.repeat_interleave(16, dim=1) * sc
         return ((codes.reshape(n, k // 16, 16) - 32).double() * scale[..., None]).reshape(n, k)
     if weight.kernel == "q41":

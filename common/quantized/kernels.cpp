@@ -133,15 +133,20 @@ void q4k_rows(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* ro
     }
 }
 
-// ---- Q6_K: 6-bit codes (stored one per byte, 0..63, weight = code - 32); per 16: int8 scale; per 256: d --------
+// ---- Q6_K: 6-bit codes (0..63, weight = code - 32) as the file packs them; per 16: int8 scale; per 256: d ------
+// In each 128 weights, ql byte l (l < 32) holds the low 4 bits of weights l (low nibble) and 64 + l (high), ql
+// byte 32 + l those of 32 + l and 96 + l; qh byte l the high 2 bits of l, 32 + l, 64 + l and 96 + l.
 
-struct Q6K { const uint8_t* codes; const int8_t* sc; const float* d; int64_t k; };
+struct Q6K { const uint8_t* ql; const uint8_t* qh; const int8_t* sc; const float* d; int64_t k; };
 
 template <int R>
 void q6k_rows(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const int64_t superblocks = w.k / 256;
-    const uint8_t* codes = w.codes + n * w.k;
+    const uint8_t* ql = w.ql + n * (w.k / 2);
+    const uint8_t* qh = w.qh + n * (w.k / 4);
     const int8_t* sc = w.sc + n * (w.k / 16);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i high = _mm256_set1_epi8(0x30);
     const float* d = w.d + n * superblocks;
     const int8_t* aq[R];
     const float* as[R];
@@ -160,7 +165,16 @@ void q6k_rows(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* ro
             isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
         }
         for (int c = 0; c < 8; ++c) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + s * 256 + c * 32));
+            const int64_t half = s * 2 + c / 4;
+            const __m256i a = _mm256_loadu_si256((const __m256i*)(ql + half * 64 + (c & 1) * 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + half * 32));
+            const int j = c & 3;  // weights 32j..32j+31 of this 128: nibble j / 2 of ql half j % 2, qh bits 2j..2j+1
+            const __m256i nibble = j < 2 ? _mm256_and_si256(a, low) : _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+            const __m256i top = j == 0   ? _mm256_and_si256(_mm256_slli_epi16(h, 4), high)
+                                : j == 1 ? _mm256_and_si256(_mm256_slli_epi16(h, 2), high)
+                                : j == 2 ? _mm256_and_si256(h, high)
+                                         : _mm256_and_si256(_mm256_srli_epi16(h, 2), high);
+            const __m256i v = _mm256_or_si256(nibble, top);
             // int16 lanes 0..7 come from bytes 0..15 (group 2c), lanes 8..15 from bytes 16..31 (group 2c + 1).
             const __m256i scales = _mm256_setr_m128i(_mm_set1_epi16(sc[s * 16 + 2 * c]), _mm_set1_epi16(sc[s * 16 + 2 * c + 1]));
             for (int r = 0; r < R; ++r) {
@@ -292,12 +306,14 @@ torch::Tensor q4k_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc,
     return matmul<Q4KKernel>(w, x, n, 256, 32);
 }
 
-torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc, torch::Tensor d, int64_t n, int64_t k) {
+torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor ql, torch::Tensor qh, torch::Tensor sc, torch::Tensor d, int64_t n,
+                         int64_t k) {
     TORCH_CHECK(k % 256 == 0, "Q6_K needs K divisible by 256");
-    check_weight(codes, torch::kUInt8, n, k, "codes");
+    check_weight(ql, torch::kUInt8, n, k / 2, "ql");
+    check_weight(qh, torch::kUInt8, n, k / 4, "qh");
     check_weight(sc, torch::kInt8, n, k / 16, "sc");
     check_weight(d, torch::kFloat32, n, k / 256, "d");
-    Q6K w{codes.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), k};
+    Q6K w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), k};
     return matmul<Q6KKernel>(w, x, n, 256, 16);
 }
 

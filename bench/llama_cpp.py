@@ -1,0 +1,215 @@
+"""`specdec bench --suite llama-cpp`: specdec against llama.cpp on the same GGUF files and the same threads.
+
+llama.cpp is what a CPU user would run instead (ollama is llama.cpp too). It comes from PyPI as llama-cpp-python
+(an sdist built with the machine's cmake: `pip install 'specdec[peers]'`, then cached by pip), used in this
+process: plain greedy decoding, and its prompt-lookup drafting (`LlamaPromptLookupDecoding`), both with
+`use_mmap=False` (weights repacked for its CPU kernels at load: its fastest setting here).
+
+Measured, in one run:
+1. cost curves: ms per forward pass over k new tokens (logits for every row) at a 160-token context, for the
+   target and the draft, on specdec's gguf engine and on llama.cpp;
+2. end to end, interleaved per prompt and repeat (repeat 0 is a warm-up, not counted): the code and input-grounded
+   prompts, greedy, `max_new_tokens` tokens, through specdec's services (target-only and auto gamma with the
+   target's default draft, and with prompt lookup) and through llama.cpp (plain and prompt lookup). Every specdec
+   output is checked against specdec's own target-only output.
+"""
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.runner import load_prompts, machine_description
+from common.models import gguf_path, load_model, split_variant
+from coordinator.client import GenerationClient
+from coordinator.cluster import Cluster, default_draft_for, free_port
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+CATEGORIES = ("code", "input-grounded")
+QUICK_PROMPTS = ["palindrome", "fix-typos"]
+CURVE_TOKENS = (1, 2, 3, 4, 5, 8)
+CURVE_CONTEXT = 160
+LOOKUP_TOKENS = 10  # LlamaPromptLookupDecoding's default num_pred_tokens
+
+
+@dataclass
+class LlamaCppConfig:
+    name: str
+    target_model: str = DEFAULT_TARGET
+    draft_model: str | None = None  # default: the target's default draft
+    threads: int = 2
+    device: str = "cpu"
+    quick: bool = False
+    max_new_tokens: int = 128
+    repeats: int = 2
+    output_root: str = "bench/results"
+
+    def __post_init__(self):
+        self.draft_model = self.draft_model or default_draft_for(self.target_model)
+        if self.quick:
+            self.max_new_tokens, self.repeats = min(self.max_new_tokens, 48), 1
+
+
+def llama(path: str, threads: int, lookup: bool = False, logits_all: bool = False):
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS) if lookup else None
+    return Llama(
+        model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, use_mmap=False, logits_all=logits_all,
+        draft_model=draft, verbose=False,
+    )
+
+
+def curve_prompt() -> str:
+    return 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 12
+
+
+def llama_curve(path: str, threads: int, repeats: int = 5) -> dict[int, float]:
+    llm = llama(path, threads, logits_all=True)
+    tokens = llm.tokenize(curve_prompt().encode())[:CURVE_CONTEXT]
+    llm.eval(tokens)
+    base, out = llm.n_tokens, {}
+    for k in CURVE_TOKENS:
+        times = []
+        for _ in range(repeats + 1):
+            llm.n_tokens = base  # eval() removes the cache past n_tokens first: a rollback
+            start = time.perf_counter()
+            llm.eval(tokens[10 : 10 + k])
+            times.append(time.perf_counter() - start)
+        out[k] = statistics.median(times[1:]) * 1000
+    return out
+
+
+def gguf_curve(spec: str, repeats: int = 5) -> dict[int, float]:
+    from common.batched_forward import forward_sessions, session_cache
+
+    loaded = load_model(spec, engine="gguf")
+    model = loaded.model
+    tokens = loaded.tokenizer.encode(curve_prompt())[:CURVE_CONTEXT]
+    cache = session_cache(len(model.get_decoder().layers))
+    forward_sessions(model, [cache], [tokens], [1])
+    base, out = cache.get_seq_length(), {}
+    for k in CURVE_TOKENS:
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            forward_sessions(model, [cache], [tokens[10 : 10 + k]], [k])
+            times.append(time.perf_counter() - start)
+            cache.crop(base - cache.get_seq_length())
+        out[k] = statistics.median(times[1:]) * 1000
+    return out
+
+
+def llama_run(llm, prompt: dict, max_new_tokens: int) -> dict:
+    start = time.perf_counter()
+    response = llm.create_chat_completion(
+        messages=[{"role": "user", "content": prompt["prompt"]}], max_tokens=max_new_tokens, temperature=0.0
+    )
+    seconds = time.perf_counter() - start
+    return {"tokens": response["usage"]["completion_tokens"], "seconds": seconds, "text": response["choices"][0]["message"]["content"]}
+
+
+def specdec_run(client: GenerationClient, prompt: dict, max_new_tokens: int, gamma: int) -> dict:
+    start = time.perf_counter()
+    response = client.generate(
+        [{"role": "user", "content": prompt["prompt"]}], max_new_tokens=max_new_tokens, temperature=0, num_speculative_tokens=gamma
+    )
+    seconds = time.perf_counter() - start
+    return {
+        "tokens": len(response.token_ids),
+        "seconds": seconds,
+        "token_ids": list(response.token_ids),
+        "accepted": response.speculation.accepted_tokens,
+        "drafted": response.speculation.drafted_tokens,
+    }
+
+
+def run_cluster_systems(config: LlamaCppConfig, draft: str, prompts: list[dict], peers: dict, out: Path) -> list[dict]:
+    """One cluster (target + `draft`), its systems interleaved with llama.cpp's per prompt and repeat."""
+    cluster = Cluster(
+        target_model=config.target_model,
+        draft_model=draft,
+        port=free_port(),
+        extra_worker_args=["--threads", str(config.threads)],
+        log_dir=out / f"logs-{draft.replace(':', '_')}",
+    )
+    cluster.start()
+    rows = []
+    try:
+        with GenerationClient(cluster.address) as client:
+            for repeat in range(config.repeats + 1):
+                for prompt in prompts:
+                    systems = {"specdec target-only": lambda p: specdec_run(client, p, config.max_new_tokens, 0)}
+                    systems[f"specdec auto ({draft})"] = lambda p: specdec_run(client, p, config.max_new_tokens, -1)
+                    for name, llm in peers.items():
+                        systems[name] = lambda p, llm=llm: llama_run(llm, p, config.max_new_tokens)
+                    for system, run in systems.items():
+                        row = run(prompt)
+                        row.update(system=system, prompt=prompt["id"], category=prompt["category"], repeat=repeat)
+                        rows.append(row)
+                        print(f"{system:36s} {prompt['id']:14s} {row['tokens'] / row['seconds']:6.2f} tok/s", flush=True)
+    finally:
+        cluster.stop()
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    counted = [r for r in rows if r["repeat"] > 0] or rows
+    table = {}
+    for category in CATEGORIES:
+        for system in dict.fromkeys(r["system"] for r in counted):
+            rates = [r["tokens"] / r["seconds"] for r in counted if r["system"] == system and r["category"] == category]
+            if rates:
+                table.setdefault(category, {})[system] = statistics.median(rates)
+    return table
+
+
+def identical_to_target_only(rows: list[dict]) -> dict[str, bool]:
+    """Per specdec system: whether every output equals specdec target-only's for the same prompt."""
+    reference = {r["prompt"]: r["token_ids"] for r in rows if r["system"] == "specdec target-only"}
+    return {
+        system: all(r["token_ids"] == reference[r["prompt"]] for r in rows if r["system"] == system)
+        for system in dict.fromkeys(r["system"] for r in rows if r["system"].startswith("specdec"))
+    }
+
+
+def report(config: LlamaCppConfig, curves: dict, table: dict, identical: dict) -> str:
+    lines = [f"# specdec against llama.cpp: {config.name}", "", machine_description(), ""]
+    lines += ["## Cost curves (ms per pass over k new tokens, logits for every row)", ""]
+    lines += ["| | " + " | ".join(f"k={k}" for k in CURVE_TOKENS) + " | k=4 / k=1 |", "|---" * (len(CURVE_TOKENS) + 2) + "|"]
+    for name, curve in curves.items():
+        values = [curve[k] for k in CURVE_TOKENS]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {curve[4] / curve[1]:.2f} |")
+    lines += ["", f"## End to end: greedy, {config.max_new_tokens} tokens, {config.threads} threads, median tokens/s", ""]
+    for category, systems in table.items():
+        best_peer = max(v for k, v in systems.items() if k.startswith("llama.cpp"))
+        lines += [f"### {category}", "", "| system | tokens/s | x best llama.cpp |", "|---|---|---|"]
+        lines += [f"| {name} | {rate:.2f} | {rate / best_peer:.2f} |" for name, rate in systems.items()]
+        lines.append("")
+    lines += ["Greedy output identical to specdec target-only: " + ", ".join(f"{k}: {v}" for k, v in identical.items()), ""]
+    return "\n".join(lines)
+
+
+def run_llama_cpp(config: LlamaCppConfig) -> Path:
+    out = Path(config.output_root) / config.name
+    out.mkdir(parents=True, exist_ok=True)
+    target_file = gguf_path(config.target_model)
+    draft_base = split_variant(config.draft_model)[0]
+    curves = {
+        f"specdec gguf engine, {config.target_model}": gguf_curve(config.target_model),
+        f"llama.cpp, {config.target_model}": llama_curve(target_file, config.threads),
+    }
+    if gguf_path(draft_base):
+        curves[f"specdec gguf engine, {draft_base}"] = gguf_curve(draft_base)
+        curves[f"llama.cpp, {draft_base}"] = llama_curve(gguf_path(draft_base), config.threads)
+    prompts = [p for p in load_prompts(QUICK_PROMPTS if config.quick else None) if p["category"] in CATEGORIES]
+    peers = {"llama.cpp": llama(target_file, config.threads), "llama.cpp prompt lookup": llama(target_file, config.threads, lookup=True)}
+    rows = []
+    for draft in dict.fromkeys([config.draft_model, "ngram"]):
+        rows += run_cluster_systems(config, draft, prompts, peers if not rows else {}, out)
+    table, identical = summarise(rows), identical_to_target_only(rows)
+    (out / "results.json").write_text(json.dumps({"config": asdict(config), "curves": curves, "rows": rows, "table": table}, indent=1))
+    (out / "report.md").write_text(report(config, curves, table, identical))
+    return out
