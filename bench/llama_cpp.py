@@ -57,8 +57,14 @@ def llama(path: str, threads: int, lookup: bool = False, logits_all: bool = Fals
 
     draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS) if lookup else None
     return Llama(
-        model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, use_mmap=False, logits_all=logits_all,
-        draft_model=draft, verbose=False,
+        model_path=path,
+        n_ctx=4096,
+        n_threads=threads,
+        n_threads_batch=threads,
+        use_mmap=False,
+        logits_all=logits_all,
+        draft_model=draft,
+        verbose=False,
     )
 
 
@@ -108,13 +114,20 @@ def llama_run(llm, prompt: dict, max_new_tokens: int) -> dict:
         messages=[{"role": "user", "content": prompt["prompt"]}], max_tokens=max_new_tokens, temperature=0.0
     )
     seconds = time.perf_counter() - start
-    return {"tokens": response["usage"]["completion_tokens"], "seconds": seconds, "text": response["choices"][0]["message"]["content"]}
+    return {
+        "tokens": response["usage"]["completion_tokens"],
+        "seconds": seconds,
+        "text": response["choices"][0]["message"]["content"],
+    }
 
 
 def specdec_run(client: GenerationClient, prompt: dict, max_new_tokens: int, gamma: int) -> dict:
     start = time.perf_counter()
     response = client.generate(
-        [{"role": "user", "content": prompt["prompt"]}], max_new_tokens=max_new_tokens, temperature=0, num_speculative_tokens=gamma
+        [{"role": "user", "content": prompt["prompt"]}],
+        max_new_tokens=max_new_tokens,
+        temperature=0,
+        num_speculative_tokens=gamma,
     )
     seconds = time.perf_counter() - start
     return {
@@ -128,12 +141,14 @@ def specdec_run(client: GenerationClient, prompt: dict, max_new_tokens: int, gam
 
 def run_cluster_systems(config: LlamaCppConfig, draft: str, prompts: list[dict], peers: dict, out: Path) -> list[dict]:
     """One cluster (target + `draft`), its systems interleaved with llama.cpp's per prompt and repeat."""
+    logs = out / ("logs-" + "".join(c if c.isalnum() or c in "-." else "_" for c in draft))
+    logs.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(
         target_model=config.target_model,
         draft_model=draft,
         port=free_port(),
         extra_worker_args=["--threads", str(config.threads)],
-        log_dir=out / f"logs-{draft.replace(':', '_')}",
+        log_dir=logs,
     )
     cluster.start()
     rows = []
@@ -175,8 +190,8 @@ def identical_to_target_only(rows: list[dict]) -> dict[str, bool]:
     }
 
 
-def report(config: LlamaCppConfig, curves: dict, table: dict, identical: dict) -> str:
-    lines = [f"# specdec against llama.cpp: {config.name}", "", machine_description(), ""]
+def report(config: LlamaCppConfig, curves: dict, table: dict, identical: dict, machine: dict) -> str:
+    lines = [f"# specdec against llama.cpp: {config.name}", "", ", ".join(f"{k}: {v}" for k, v in machine.items()), ""]
     lines += ["## Cost curves (ms per pass over k new tokens, logits for every row)", ""]
     lines += ["| | " + " | ".join(f"k={k}" for k in CURVE_TOKENS) + " | k=4 / k=1 |", "|---" * (len(CURVE_TOKENS) + 2) + "|"]
     for name, curve in curves.items():
@@ -204,12 +219,18 @@ def run_llama_cpp(config: LlamaCppConfig) -> Path:
     if gguf_path(draft_base):
         curves[f"specdec gguf engine, {draft_base}"] = gguf_curve(draft_base)
         curves[f"llama.cpp, {draft_base}"] = llama_curve(gguf_path(draft_base), config.threads)
+    for name, curve in curves.items():
+        print(f"{name}: " + "  ".join(f"k={k} {ms:.1f}" for k, ms in curve.items()), flush=True)
     prompts = [p for p in load_prompts(QUICK_PROMPTS if config.quick else None) if p["category"] in CATEGORIES]
-    peers = {"llama.cpp": llama(target_file, config.threads), "llama.cpp prompt lookup": llama(target_file, config.threads, lookup=True)}
+    peers = {
+        "llama.cpp": llama(target_file, config.threads),
+        "llama.cpp prompt lookup": llama(target_file, config.threads, lookup=True),
+    }
     rows = []
     for draft in dict.fromkeys([config.draft_model, "ngram"]):
         rows += run_cluster_systems(config, draft, prompts, peers if not rows else {}, out)
-    table, identical = summarise(rows), identical_to_target_only(rows)
-    (out / "results.json").write_text(json.dumps({"config": asdict(config), "curves": curves, "rows": rows, "table": table}, indent=1))
-    (out / "report.md").write_text(report(config, curves, table, identical))
+    table, identical, machine = summarise(rows), identical_to_target_only(rows), machine_description()
+    results = {"config": asdict(config), "machine": machine, "curves": curves, "rows": rows, "table": table}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "report.md").write_text(report(config, curves, table, identical, machine))
     return out

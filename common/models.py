@@ -373,9 +373,7 @@ def resolve_engine(engine: str, spec: str, device: str, dtype: str) -> str:
     return "torch" if reason else "gguf"
 
 
-def load_model(
-    spec: str, device: str = "cpu", dtype: str = "auto", linear: str = "auto", engine: str = "torch"
-) -> LoadedModel:
+def load_model(spec: str, device: str = "cpu", dtype: str = "auto", linear: str = "auto", engine: str = "torch") -> LoadedModel:
     """The model of a --model spec. engine: see resolve_engine. linear (the torch engine): "auto" runs the linear
     layers on oneDNN-packed weights where that path serves the model (CPU, float32), "packed" requires it,
     "eager" keeps transformers' own layers."""

@@ -73,8 +73,9 @@ async def resolve(host: str, port: int) -> list[str]:
 
 def identity(info: WorkerInfo) -> tuple[str, str, str, str]:
     """What a target's greedy output depends on beyond the tokenizer: the model, its engine and dtype and the kind
-    of device (a CPU and a GPU round differently, and so do the engines). A session is reopened only on a member of the same identity, so that a
-    request never continues on other numerics (a rolling update of the model serves both for a while)."""
+    of device (a CPU and a GPU round differently, and so do the engines). A session is reopened only on a member of
+    the same identity, so that a request never continues on other numerics (a rolling update of the model serves
+    both for a while)."""
     return info.model_name, info.engine, info.dtype, info.device.split(":")[0]
 
 

@@ -71,7 +71,9 @@ def load_draft_engine(config: DraftWorkerConfig) -> DraftEngine:
     limits = dict(max_sessions=config.max_sessions, default_max_q_entries=config.max_q_entries)
     if is_ngram(config.model):
         return DraftEngine(None, config.model, ngram=parse_ngram(config.model), **limits)
-    return DraftEngine(load_model(config.model, config.device, config.dtype, config.linear, config.engine), config.model, **limits)
+    return DraftEngine(
+        load_model(config.model, config.device, config.dtype, config.linear, config.engine), config.model, **limits
+    )
 
 
 async def serve(config: DraftWorkerConfig, options: ServerOptions) -> None:

@@ -71,7 +71,9 @@ async def serve(config: WorkerConfig, options: ServerOptions) -> None:
     servicer = TargetServicer(idle_timeout=options.session_idle_timeout)
 
     def load_engine() -> TargetEngine:
-        return TargetEngine(load_model(config.model, config.device, config.dtype, config.linear, config.engine), config.max_sessions)
+        return TargetEngine(
+            load_model(config.model, config.device, config.dtype, config.linear, config.engine), config.max_sessions
+        )
 
     await serve_worker(SERVICE, servicer, load_engine, config.model, options)
 

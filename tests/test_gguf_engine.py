@@ -19,15 +19,11 @@ from common.quantized import formats
 from common.quantized.kernels import kernels
 from common.quantized.layers import QuantizedLinear
 from common.sampling import SamplingParams, logits_to_probs
-from coordinator.config import CoordinatorConfig
-from coordinator.in_process import InProcessWorkers
-from coordinator.server import build_engine
-from coordinator.types import GenerationParams
 from draft_worker.engine import DraftEngine
 from draft_worker.ngram import parse_ngram
 from target_worker.engine import TargetEngine
 from tests.conftest import running_services
-from tests.test_distribution import chi_square_p_value
+from tests.test_distribution import chi_square_p_value, sample_sequences
 from tests.test_greedy_equivalence import generate_ids
 
 SMOLLM2 = "smollm2-135m"
@@ -173,7 +169,9 @@ def exact_two_token_distribution(loaded, params: SamplingParams) -> dict[tuple[i
     """P(first two tokens), scored the way the worker scores them: the prompt prefilled, then one token a step (a
     verification's rows are bit-identical to those, as tested above)."""
     model = loaded.model
-    first = logits_to_probs(forward_sessions(model, [prefilled(model, DIST_PROMPT[:-1])], [[DIST_PROMPT[-1]]], [1])[0].float(), params)[0]
+    first = logits_to_probs(
+        forward_sessions(model, [prefilled(model, DIST_PROMPT[:-1])], [[DIST_PROMPT[-1]]], [1])[0].float(), params
+    )[0]
     out = {}
     for a in torch.nonzero(first).flatten().tolist():
         cache = prefilled(model, DIST_PROMPT[:-1])
@@ -187,20 +185,8 @@ def exact_two_token_distribution(loaded, params: SamplingParams) -> dict[tuple[i
 def test_speculative_samples_on_the_gguf_engine_follow_the_exact_target_distribution(smollm2):
     params = SamplingParams(temperature=1.5, top_k=3)
     draft = load_model(SMOLLM2 + "#layers=6", engine="gguf")
-
-    async def run():
-        workers = InProcessWorkers(TargetEngine(smollm2, calibrate=False), DraftEngine(draft, "draft", calibrate=False))
-        engine = await build_engine(workers, CoordinatorConfig(), tokenizer=smollm2.tokenizer)
-        out, drafted = [], 0
-        for seed in range(DIST_SAMPLES):
-            sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
-            result = await engine.generate_all(GenerationParams(DIST_PROMPT, sampling, 2, 2, ignore_eos=True))
-            out.append(tuple(result.token_ids))
-            drafted += result.drafted_tokens
-        return out, drafted
-
-    samples, drafted = asyncio.run(run())
-    assert drafted > 0
+    # gamma 2, fixed: every request drafts (sample_sequences runs the coordinator's real loop in one process).
+    samples, _ = sample_sequences(smollm2, draft, params, gamma=2, tokens=2, samples=DIST_SAMPLES, prompt=DIST_PROMPT)
     exact = exact_two_token_distribution(smollm2, params)
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-5)
     assert chi_square_p_value(samples, exact) > 1e-3

@@ -50,7 +50,7 @@ class QuantizedEmbedding(torch.nn.Module):
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, embedding_dim: int):
         super().__init__()
         self.qtype, self.embedding_dim = qtype, embedding_dim
-        self.register_buffer("blocks", torch.from_numpy(np.ascontiguousarray(raw)))
+        self.register_buffer("blocks", torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)))  # off the mmap
         self.num_embeddings = raw.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,9 @@ def build_quantized_model(path: str, config) -> torch.nn.Module:
 
     text = config.get_text_config()
     if config.model_type not in ARCHITECTURES:
-        raise InvalidArgument("engine", f"{path}: the gguf engine runs {', '.join(ARCHITECTURES)} models, not {config.model_type}")
+        raise InvalidArgument(
+            "engine", f"{path}: the gguf engine runs {', '.join(ARCHITECTURES)} models, not {config.model_type}"
+        )
     started = time.monotonic()
     tensors = GGUFTensors(path)
     # Quantized activations amplify float rounding: attention must score each verified token exactly as a one-token
