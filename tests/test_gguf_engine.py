@@ -4,8 +4,6 @@ exact distribution by chi-square)."""
 
 import asyncio
 import functools
-import os
-import shutil
 
 import gguf
 import numpy as np
@@ -194,8 +192,3 @@ def test_speculative_samples_on_the_gguf_engine_follow_the_exact_target_distribu
     # its top-k support, or the counts do not fit it).
     wrong = exact_two_token_distribution(draft, params)
     assert any(s not in wrong for s in samples) or chi_square_p_value(samples, wrong) < 1e-6
-
-
-@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
-def test_the_kernels_build_into_the_cache_directory():
-    assert os.path.isdir(os.path.dirname(kernels().__file__))
