@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.runner import load_prompts, machine_description
+from bench.runner import grpc_run, load_prompts, machine_description, run_to_dict
 from common.models import gguf_path, load_model, split_variant
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, default_draft_for, free_port
@@ -122,21 +122,8 @@ def llama_run(llm, prompt: dict, max_new_tokens: int) -> dict:
 
 
 def specdec_run(client: GenerationClient, prompt: dict, max_new_tokens: int, gamma: int) -> dict:
-    start = time.perf_counter()
-    response = client.generate(
-        [{"role": "user", "content": prompt["prompt"]}],
-        max_new_tokens=max_new_tokens,
-        temperature=0,
-        num_speculative_tokens=gamma,
-    )
-    seconds = time.perf_counter() - start
-    return {
-        "tokens": len(response.token_ids),
-        "seconds": seconds,
-        "token_ids": list(response.token_ids),
-        "accepted": response.speculation.accepted_tokens,
-        "drafted": response.speculation.drafted_tokens,
-    }
+    """One greedy request through the coordinator (bench.runner.grpc_run), as a row."""
+    return run_to_dict(grpc_run(client, "specdec", prompt, gamma, 0.0, 0, max_new_tokens))
 
 
 def run_cluster_systems(config: LlamaCppConfig, draft: str, prompts: list[dict], peers: dict, out: Path) -> list[dict]:

@@ -168,6 +168,8 @@ def hf_source(spec: str) -> tuple[str, dict]:
     if spec in CHUNKED_MODELS:
         path = assembled_gguf(CHUNKED_MODELS[spec])
         return str(path.parent), {"gguf_file": path.name}
+    if spec.endswith(".gguf") and os.path.isfile(spec):
+        return os.path.dirname(os.path.abspath(spec)), {"gguf_file": os.path.basename(spec)}
     return spec, {}
 
 
@@ -342,10 +344,8 @@ def gguf_path(spec: str) -> str | None:
     """The GGUF file a (variant-free) spec loads from, or None when it loads from elsewhere."""
     if is_tiny_random(spec) or spec.startswith(RANDOM_SHAPE_PREFIX + ":"):
         return None
-    source, kwargs = hf_source(spec) if spec == SMOLLM2_ALIAS or spec in CHUNKED_MODELS else (spec, {})
-    if "gguf_file" in kwargs:
-        return os.path.join(source, kwargs["gguf_file"])
-    return spec if spec.endswith(".gguf") and os.path.isfile(spec) else None
+    source, kwargs = hf_source(spec)
+    return os.path.join(source, kwargs["gguf_file"]) if "gguf_file" in kwargs else None
 
 
 def resolve_engine(engine: str, spec: str, device: str, dtype: str) -> str:
@@ -426,7 +426,7 @@ def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto", quantized
 
 def load_quantized(spec: str) -> LoadedModel:
     """A GGUF model on its own quantized blocks (the gguf engine, common.quantized)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig
 
     from common.quantized.loader import build_quantized_model
 
@@ -437,12 +437,7 @@ def load_quantized(spec: str) -> LoadedModel:
     except Exception as error:  # noqa: BLE001 - transformers reports a bad file in many ways
         raise InvalidArgument("model", f"{path}: unreadable GGUF metadata ({type(error).__name__}: {error})") from None
     model = build_quantized_model(path, config)
-    hf_tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    try:
-        generation_config = GenerationConfig.from_pretrained(folder, gguf_file=name)
-    except OSError:
-        generation_config = None
-    tokenizer = HFTokenizer(hf_tokenizer, eos_ids_of(config, generation_config, hf_tokenizer))
+    tokenizer = load_tokenizer(spec)
     text = config.get_text_config()
     max_context = int(getattr(text, "max_position_embeddings", 0) or 0)
     return LoadedModel(spec, model, tokenizer, int(text.vocab_size), max_context, torch.device("cpu"), torch.float32, "gguf")
