@@ -173,6 +173,21 @@ def hf_source(spec: str) -> tuple[str, dict]:
     return spec, {}
 
 
+def metadata_source(spec: str) -> tuple[str, dict]:
+    """Where from_pretrained finds the spec's config and tokenizer: for a GGUF file, the folder they were converted
+    to once (common.gguf_metadata: parsing them out of the file costs tens of seconds); else hf_source."""
+    source, kwargs = hf_source(spec)
+    if "gguf_file" not in kwargs:
+        return source, kwargs
+    from common.gguf_metadata import converted_folder
+
+    path = os.path.join(source, kwargs["gguf_file"])
+    try:
+        return str(converted_folder(path)), {}
+    except Exception as error:  # noqa: BLE001 - transformers reports a bad file in many ways
+        raise InvalidArgument("model", f"{path}: unreadable GGUF metadata ({type(error).__name__}: {error})") from None
+
+
 def eos_ids_of(model_config, generation_config, hf_tokenizer) -> list[int]:
     ids = getattr(generation_config, "eos_token_id", None) if generation_config else None
     ids = ids if ids is not None else getattr(model_config, "eos_token_id", None)
@@ -231,7 +246,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return ByteTokenizer(RANDOM_SHAPE_VOCAB)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    source, kwargs = hf_source(spec)
+    source, kwargs = metadata_source(spec)
     hf_tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     config = AutoConfig.from_pretrained(source, **kwargs)
     try:
@@ -417,7 +432,8 @@ def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto", quantized
     model = (
         AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs).to(torch_device).eval().requires_grad_(False)
     )
-    hf_tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer_source, tokenizer_kwargs = metadata_source(spec)
+    hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **tokenizer_kwargs)
     tokenizer = HFTokenizer(hf_tokenizer, eos_ids_of(model.config, model.generation_config, hf_tokenizer))
     config = model.config.get_text_config()
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -431,11 +447,8 @@ def load_quantized(spec: str) -> LoadedModel:
     from common.quantized.loader import build_quantized_model
 
     path = gguf_path(spec)
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    except Exception as error:  # noqa: BLE001 - transformers reports a bad file in many ways
-        raise InvalidArgument("model", f"{path}: unreadable GGUF metadata ({type(error).__name__}: {error})") from None
+    source, kwargs = metadata_source(spec)
+    config = AutoConfig.from_pretrained(source, **kwargs)
     model = build_quantized_model(path, config)
     tokenizer = load_tokenizer(spec)
     text = config.get_text_config()

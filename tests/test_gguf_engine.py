@@ -14,6 +14,7 @@ from common.batched_forward import forward_sessions, session_cache
 from common.errors import InvalidArgument
 from common.models import gguf_path, load_model, resolve_engine
 from common.quantized import formats
+from common.quantized.gguf_file import read_tensors
 from common.quantized.kernels import kernels
 from common.quantized.layers import QuantizedLinear
 from common.sampling import SamplingParams, logits_to_probs
@@ -39,7 +40,7 @@ ROWS = 96  # output features taken from each tensor: enough for every code path,
 
 @functools.cache
 def tensors_of(spec: str) -> dict:
-    return {t.name: t for t in gguf.GGUFReader(gguf_path(spec)).tensors}
+    return read_tensors(gguf_path(spec))
 
 
 def tensor_of(spec: str, name: str):
@@ -89,6 +90,33 @@ def test_kernel_rows_are_bit_identical_at_every_row_count_and_beside_any_rows(sp
     assert torch.equal(layer(x[order]), alone[order])
     # The test can fail: a different row gives a different result.
     assert not torch.equal(alone[0], alone[1])
+
+
+@pytest.mark.parametrize("spec,name", TENSORS, ids=lambda v: v)
+def test_the_avx2_and_vnni_kernels_agree_bit_for_bit(spec, name):
+    if kernels().isa() != "vnni":
+        pytest.skip("this CPU has no AVX512-VNNI: it runs the AVX2 kernels only")
+    weight, _, _ = packed_slice(spec, name)
+    layer = QuantizedLinear(weight)
+    x = torch.randn(11, weight.in_features, generator=torch.Generator().manual_seed(3))
+    on_vnni = [layer(x[:rows]) for rows in (1, 2, 3, 11)]
+    kernels().set_isa("avx2")
+    try:
+        on_avx2 = [layer(x[:rows]) for rows in (1, 2, 3, 11)]
+    finally:
+        kernels().set_isa("vnni")
+    for a, b in zip(on_vnni, on_avx2, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_tensor_index_reads_what_ggufs_own_reader_reads():
+    ours = read_tensors(gguf_path(SMOLLM2))
+    theirs = gguf.GGUFReader(gguf_path(SMOLLM2)).tensors
+    assert list(ours) == [t.name for t in theirs]
+    for t in theirs:
+        mine = ours[t.name]
+        assert (mine.tensor_type, mine.shape) == (t.tensor_type, [int(v) for v in t.shape]), t.name
+        assert mine.data.shape == t.data.shape and np.array_equal(mine.data, t.data), t.name
 
 
 def test_an_unsupported_block_format_is_refused_by_name():

@@ -20,6 +20,7 @@ from common.model_files import cache_dir
 log = logging.getLogger("specdec")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
+HEADERS = [Path(__file__).with_name("kernel_rows.h")]  # included by SOURCE
 NAME = "specdec_gguf_kernels"
 # Flags every AVX2 machine has, never -march=native: one cache directory (a Docker image, a shared volume) may
 # serve machines of different CPUs. -ffp-contract=off keeps each product's float operations exactly as written,
@@ -45,8 +46,8 @@ def build_directory() -> Path:
 
 
 def fingerprint() -> str:
-    """What a built module was built from: the source, the flags and torch's version."""
-    text = SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode() + torch.__version__.encode()
+    """What a built module was built from: the sources, the flags and torch's version."""
+    text = b"".join(f.read_bytes() for f in [SOURCE, *HEADERS]) + " ".join(CFLAGS + LDFLAGS).encode() + torch.__version__.encode()
     return hashlib.sha256(text).hexdigest()
 
 

@@ -15,6 +15,7 @@ import torch
 
 from common.errors import InvalidArgument
 from common.quantized.formats import FLOAT_FORMATS, UnsupportedFormat, pack
+from common.quantized.gguf_file import GGUFFormatError, read_tensors
 from common.quantized.layers import QuantizedEmbedding, QuantizedLinear
 
 log = logging.getLogger("specdec")
@@ -44,14 +45,11 @@ class GGUFTensors:
     """A GGUF file's tensors by name, with errors that name the file and the tensor."""
 
     def __init__(self, path: str):
-        from gguf import GGUFReader
-
         self.path = path
         try:
-            self.reader = GGUFReader(path)
-        except Exception as error:  # noqa: BLE001 - a truncated or corrupt file fails in many ways inside gguf
-            raise InvalidArgument("model", f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+            self.tensors = read_tensors(path)
+        except (GGUFFormatError, OSError) as error:
+            raise InvalidArgument("model", f"{path}: not a readable GGUF file ({error})") from None
 
     def has(self, name: str) -> bool:
         return name in self.tensors

@@ -1,0 +1,235 @@
+// The row kernels and their driver, included by kernels.cpp once per instruction set, each time in a namespace
+// that defines
+//   kRowTile          activation rows that share one unpacking of a weight row;
+//   dot_add(acc, p, s) acc + the int32 pair sums of the int16 products p * s (AVX2: madd + add; VNNI: dpwssd);
+//   dot4(u, s)         the int32 sums of four products of unsigned bytes u and signed bytes s (maddubs + madd; dpbusd).
+//   kSplit            up to this many rows, a row's integer sums run in two chains: with one or two rows the
+//                     latency of dependent dot products, not their count, would bound the loop.
+// Both instruction sets compute the same exact integer sums and then the same float operations in the same order,
+// so they agree bit for bit: which one a machine runs never changes a result.
+
+// ---- Q4_K: 4-bit codes, per 256: d, dmin; per 32: 6-bit scale and min --------------------------------------
+// codes [N, K/2]: in each 64 weights, byte i holds weight i (low nibble) and weight 32 + i (high nibble).
+// w = d * sc[g] * code - dmin * mn[g].
+
+
+template <int R>
+void q4k_rows(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+    const int64_t superblocks = w.k / 256;
+    const uint8_t* codes = w.codes + n * (w.k / 2);
+    const uint8_t* sc = w.sc + n * (w.k / 32);
+    const uint8_t* mn = w.mn + n * (w.k / 32);
+    const float* d = w.d + n * superblocks;
+    const float* dmin = w.dmin + n * superblocks;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const int8_t* aq[R];
+    const float* as[R];
+    const int16_t* sums[R];
+    __m256 acc[R];
+    __m128 acc_min[R];
+    for (int r = 0; r < R; ++r) {
+        aq[r] = a.row_q(rows[r]); as[r] = a.row_scale(rows[r]); sums[r] = a.row_sums(rows[r]);
+        acc[r] = _mm256_setzero_ps(); acc_min[r] = _mm_setzero_ps();
+    }
+    for (int64_t s = 0; s < superblocks; ++s) {
+        __m256i isum[R], isum2[R];  // isum2: a second chain for few rows (see kSplit)
+        for (int r = 0; r < R; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
+        // The 8 group scales as int16, in both 128-bit halves: one shuffle then broadcasts any of them.
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sc + s * 8))));
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + s * 128 + c * 32));
+            const __m256i lo = _mm256_and_si256(v, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((int16_t)(((4 * c + 1) << 8) | (4 * c))));
+            const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((int16_t)(((4 * c + 3) << 8) | (4 * c + 2))));
+            for (int r = 0; r < R; ++r) {
+                const int8_t* q = aq[r] + s * 256 + c * 64;
+                const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)q));
+                const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q + 32)));
+                if constexpr (R <= kSplit) {
+                    isum[r] = dot_add(isum[r], p_lo, s_lo);
+                    isum2[r] = dot_add(isum2[r], p_hi, s_hi);
+                } else {
+                    isum[r] = dot_add(dot_add(isum[r], p_lo, s_lo), p_hi, s_hi);
+                }
+            }
+        }
+        // The mins' term, sum over the 8 groups of mn[g] * (sum of the row's codes in g), as 4 int32 lanes.
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(mn + s * 8)));
+        for (int r = 0; r < R; ++r) {
+            const __m128i imin = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(sums[r] + s * 8)));
+            if constexpr (R <= kSplit) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d[s] * as[r][s]), acc[r]);
+            acc_min[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_set1_ps(dmin[s] * as[r][s]), acc_min[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const __m128 m = acc_min[r];
+        __m128 t = _mm_add_ps(m, _mm_movehl_ps(m, m));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        out[r][n] = hsum_f32(acc[r]) - _mm_cvtss_f32(t);
+    }
+}
+
+// ---- Q6_K: 6-bit codes (0..63, weight = code - 32) as the file packs them; per 16: int8 scale; per 256: d ------
+// In each 128 weights, ql byte l (l < 32) holds the low 4 bits of weights l (low nibble) and 64 + l (high), ql
+// byte 32 + l those of 32 + l and 96 + l; qh byte l the high 2 bits of l, 32 + l, 64 + l and 96 + l.
+
+
+template <int R>
+void q6k_rows(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+    const int64_t superblocks = w.k / 256;
+    const uint8_t* ql = w.ql + n * (w.k / 2);
+    const uint8_t* qh = w.qh + n * (w.k / 4);
+    const int8_t* sc = w.sc + n * (w.k / 16);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i high = _mm256_set1_epi8(0x30);
+    // Bytes 0-1 of each int32 into the low 128 bits' int16 lanes, bytes 2-3 into the high ones'.
+    const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    const float* d = w.d + n * superblocks;
+    const int8_t* aq[R];
+    const float* as[R];
+    const int16_t* sums[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+        aq[r] = a.row_q(rows[r]); as[r] = a.row_scale(rows[r]); sums[r] = a.row_sums(rows[r]);
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < superblocks; ++s) {
+        __m256i isum[R], isum2[R];  // isum2: a second chain for few rows (see kSplit)
+        // int16 lane g = sc[g]; int32 element c therefore holds the scales of chunk c's two groups, 2c and 2c + 1.
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(sc + s * 16)));
+        for (int r = 0; r < R; ++r) {
+            // The codes' offset of 32: 32 * sum over the 16 groups of sc[g] * (sum of the row's codes in g).
+            const __m256i offset = _mm256_madd_epi16(scales16, _mm256_loadu_si256((const __m256i*)(sums[r] + s * 16)));
+            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+            isum2[r] = _mm256_setzero_si256();
+        }
+        for (int half = 0; half < 2; ++half) {
+            const __m256i a0 = _mm256_loadu_si256((const __m256i*)(ql + (s * 2 + half) * 64));
+            const __m256i a1 = _mm256_loadu_si256((const __m256i*)(ql + (s * 2 + half) * 64 + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + (s * 2 + half) * 32));
+            // Weights 32j..32j+31 of this 128: nibble j / 2 of ql half j % 2, qh bits 2j..2j+1.
+            const __m256i v[4] = {
+                _mm256_or_si256(_mm256_and_si256(a0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), high)),
+                _mm256_or_si256(_mm256_and_si256(a1, low), _mm256_and_si256(_mm256_slli_epi16(h, 2), high)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a0, 4), low), _mm256_and_si256(h, high)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a1, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), high)),
+            };
+            for (int j = 0; j < 4; ++j) {
+                const int c = half * 4 + j;
+                // int16 lanes 0..7 come from bytes 0..15 (group 2c), lanes 8..15 from bytes 16..31 (group 2c + 1).
+                const __m256i scales = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales16, _mm256_set1_epi32(c)), split);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i p = _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i*)(aq[r] + s * 256 + c * 32)));
+                    if (R <= kSplit && (j & 1)) isum2[r] = dot_add(isum2[r], p, scales);
+                    else isum[r] = dot_add(isum[r], p, scales);
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            if constexpr (R <= kSplit) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d[s] * as[r][s]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r][n] = hsum_f32(acc[r]);
+}
+
+// ---- Q4_1: 4-bit codes (layout as Q4_K's), per 32: d and m; w = d * code + m ----------------------------------
+
+
+template <int R>
+void q41_rows(const Q41& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+    const int64_t groups = w.k / 32;
+    const uint8_t* codes = w.codes + n * (w.k / 2);
+    const float* d = w.d + n * groups;
+    const float* m = w.m + n * groups;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc[R];
+    float acc_min[R];
+    for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_min[r] = 0.f; }
+    for (int64_t c = 0; c < groups / 2; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + c * 32));
+        const __m256i half[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+        for (int h = 0; h < 2; ++h) {
+            const int64_t g = 2 * c + h;
+            for (int r = 0; r < R; ++r) {
+                const int8_t* aq = a.row_q(rows[r]) + g * 32;
+                const float as = a.row_scale(rows[r])[g];
+                const __m256i p = dot4(half[h], _mm256_loadu_si256((const __m256i*)aq));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[g] * as), acc[r]);
+                acc_min[r] += (m[g] * as) * (float)a.row_sums(rows[r])[g];
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r][n] = hsum_f32(acc[r]) + acc_min[r];
+}
+
+// ---- Q8_0 and Q5_0: int8 codes, per 32: d; w = d * code ----------------------------------------------------------
+
+
+template <int R>
+void q80_rows(const Q80& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+    const int64_t groups = w.k / 32;
+    const int8_t* codes = w.codes + n * w.k;
+    const float* d = w.d + n * groups;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + g * 32));
+        const __m256i magnitude = _mm256_sign_epi8(v, v);  // maddubs takes its first operand unsigned
+        for (int r = 0; r < R; ++r) {
+            const __m256i aq = _mm256_loadu_si256((const __m256i*)(a.row_q(rows[r]) + g * 32));
+            const __m256i p = dot4(magnitude, _mm256_sign_epi8(aq, v));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[g] * a.row_scale(rows[r])[g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r][n] = hsum_f32(acc[r]);
+}
+
+// ---- driver --------------------------------------------------------------------------------------------------
+
+#define SPECDEC_KERNEL(name, fn)                                                                    \
+    template <int R> struct name {                                                                  \
+        template <typename W>                                                                       \
+        static void run(const W& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { \
+            fn<R>(w, n, a, rows, out);                                                              \
+        }                                                                                           \
+    };
+SPECDEC_KERNEL(Q4KKernel, q4k_rows)
+SPECDEC_KERNEL(Q6KKernel, q6k_rows)
+SPECDEC_KERNEL(Q41Kernel, q41_rows)
+SPECDEC_KERNEL(Q80Kernel, q80_rows)
+#undef SPECDEC_KERNEL
+
+// The last rows - rows % kRowTile rows, in one tile of their own.
+template <template <int> class Kernel, typename W, int R = kRowTile - 1>
+inline void run_remainder(int64_t remainder, const W& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) {
+    if constexpr (R > 0) {
+        if (remainder == R) Kernel<R>::run(w, n, a, rows, out);
+        else run_remainder<Kernel, W, R - 1>(remainder, w, n, a, rows, out);
+    }
+}
+
+// Every output column n for every row: rows in tiles of kRowTile (the remainder in one smaller tile), columns
+// split over threads.
+template <template <int> class Kernel, typename W>
+void matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base) {
+    at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> index(rows);
+        for (int64_t r = 0; r < rows; ++r) index[r] = r;
+        std::vector<float*> out(rows);
+        for (int64_t r = 0; r < rows; ++r) out[r] = base + r * out_features;
+        for (int64_t n = begin; n < end; ++n) {
+            int64_t r = 0;
+            for (; r + kRowTile <= rows; r += kRowTile) Kernel<kRowTile>::run(w, n, a, &index[r], &out[r]);
+            run_remainder<Kernel>(rows - r, w, n, a, &index[r], &out[r]);
+        }
+    });
+}
+
+inline void q4k(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<Q4KKernel>(w, a, rows, n, y); }
+inline void q6k(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<Q6KKernel>(w, a, rows, n, y); }
+inline void q41(const Q41& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<Q41Kernel>(w, a, rows, n, y); }
+inline void q80(const Q80& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<Q80Kernel>(w, a, rows, n, y); }
