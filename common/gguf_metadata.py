@@ -58,3 +58,13 @@ def converted_folder(path: str) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("converted the config and tokenizer of %s in %.1f s (cached in %s)", path, time.monotonic() - started, folder)
     return folder
+
+
+if __name__ == "__main__":  # ahead of time, for the given model specs (the Makefile does the shipped ones)
+    import sys
+
+    from common.models import gguf_path
+
+    logging.basicConfig(level=logging.INFO)
+    for spec in sys.argv[1:]:
+        converted_folder(gguf_path(spec))
