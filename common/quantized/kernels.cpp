@@ -112,14 +112,17 @@ inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_se
 
 // The instruction set the products run on: "vnni" where the CPU has AVX512-VNNI (Ice Lake and later Xeons, AMD Zen 4
 // and later), else "avx2"; set_isa("avx2") forces the AVX2 path (the tests compare the two).
-bool use_vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+bool cpu_has_vnni() {  // what the vnni namespace is compiled for
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+}
+
+bool use_vnni = cpu_has_vnni();
 
 std::string isa() { return use_vnni ? "vnni" : "avx2"; }
 
 void set_isa(const std::string& name) {
     TORCH_CHECK(name == "avx2" || name == "vnni", "isa must be avx2 or vnni, not ", name);
-    TORCH_CHECK(name == "avx2" || (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")),
-                "this CPU lacks AVX512-VNNI");
+    TORCH_CHECK(name == "avx2" || cpu_has_vnni(), "this CPU lacks AVX512-VNNI");
     use_vnni = name == "vnni";
 }
 
