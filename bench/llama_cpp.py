@@ -23,7 +23,8 @@ from pathlib import Path
 from bench.runner import grpc_run, load_prompts, machine_description, run_to_dict
 from common.models import gguf_path, load_model, split_variant
 from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, default_draft_for, free_port
+from coordinator.cluster import Cluster, default_draft_for, free_port, model_draft_for
+from draft_worker.ngram import is_ngram
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 CATEGORIES = ("code", "input-grounded")
@@ -72,40 +73,64 @@ def curve_prompt() -> str:
     return 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 12
 
 
-def llama_curve(path: str, threads: int, repeats: int = 5) -> dict[int, float]:
-    llm = llama(path, threads, logits_all=True)
-    tokens = llm.tokenize(curve_prompt().encode())[:CURVE_CONTEXT]
-    llm.eval(tokens)
-    base, out = llm.n_tokens, {}
-    for k in CURVE_TOKENS:
-        times = []
-        for _ in range(repeats + 1):
-            llm.n_tokens = base  # eval() removes the cache past n_tokens first: a rollback
-            start = time.perf_counter()
-            llm.eval(tokens[10 : 10 + k])
-            times.append(time.perf_counter() - start)
-        out[k] = statistics.median(times[1:]) * 1000
-    return out
+def llama_passes(path: str, threads: int):
+    """llama.cpp's pass over k new tokens on a CURVE_CONTEXT-token context (then rolled back), and its prefill of
+    that context (logits for the last row only, as a request's prefill)."""
+    scorer, prefiller = llama(path, threads, logits_all=True), llama(path, threads)
+    tokens = scorer.tokenize(curve_prompt().encode())[:CURVE_CONTEXT]
+    scorer.eval(tokens)
+    base = scorer.n_tokens
+
+    def step(k: int) -> None:
+        scorer.n_tokens = base  # eval() removes the cache past n_tokens first: a rollback
+        scorer.eval(tokens[10 : 10 + k])
+
+    def prefill() -> None:
+        prefiller.reset()
+        prefiller.eval(tokens)
+
+    return step, prefill
 
 
-def gguf_curve(spec: str, repeats: int = 5) -> dict[int, float]:
+def gguf_passes(spec: str):
+    """The same two passes on the gguf engine."""
     from common.batched_forward import forward_sessions, session_cache
 
-    loaded = load_model(spec, engine="gguf")
-    model = loaded.model
+    model = (loaded := load_model(spec, engine="gguf")).model
     tokens = loaded.tokenizer.encode(curve_prompt())[:CURVE_CONTEXT]
-    cache = session_cache(len(model.get_decoder().layers))
+    layers = len(model.get_decoder().layers)
+    cache = session_cache(layers)
     forward_sessions(model, [cache], [tokens], [1])
-    base, out = cache.get_seq_length(), {}
-    for k in CURVE_TOKENS:
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            forward_sessions(model, [cache], [tokens[10 : 10 + k]], [k])
-            times.append(time.perf_counter() - start)
-            cache.crop(base - cache.get_seq_length())
-        out[k] = statistics.median(times[1:]) * 1000
-    return out
+    base = cache.get_seq_length()
+
+    def step(k: int) -> None:
+        forward_sessions(model, [cache], [tokens[10 : 10 + k]], [k])
+        cache.crop(base - cache.get_seq_length())
+
+    def prefill() -> None:
+        forward_sessions(model, [session_cache(layers)], [tokens], [1])
+
+    return step, prefill
+
+
+def interleaved_curves(systems: dict, repeats: int = 5) -> dict[str, dict]:
+    """{name: (step, prefill)} -> {name: {k: median ms, "prefill": median ms per token}}: every measurement of one
+    shape taken in turn across the systems, so that the machine's drift (25-30 % within minutes on this VM) falls
+    on all of them alike."""
+    times = {name: {k: [] for k in (*CURVE_TOKENS, "prefill")} for name in systems}
+    for k in (*CURVE_TOKENS, "prefill"):
+        for _ in range(repeats + 1):  # the first of each shape warms up
+            for name, (step, prefill) in systems.items():
+                started = time.perf_counter()
+                if k == "prefill":
+                    prefill()
+                else:
+                    step(k)
+                times[name][k].append((time.perf_counter() - started) * 1000)
+    return {
+        name: {k: statistics.median(t[1:]) / (CURVE_CONTEXT if k == "prefill" else 1) for k, t in shapes.items()}
+        for name, shapes in times.items()
+    }
 
 
 def llama_run(llm, prompt: dict, max_new_tokens: int) -> dict:
@@ -179,11 +204,16 @@ def identical_to_target_only(rows: list[dict]) -> dict[str, bool]:
 
 def report(config: LlamaCppConfig, curves: dict, table: dict, identical: dict, machine: dict) -> str:
     lines = [f"# specdec against llama.cpp: {config.name}", "", ", ".join(f"{k}: {v}" for k, v in machine.items()), ""]
-    lines += ["## Cost curves (ms per pass over k new tokens, logits for every row)", ""]
-    lines += ["| | " + " | ".join(f"k={k}" for k in CURVE_TOKENS) + " | k=4 / k=1 |", "|---" * (len(CURVE_TOKENS) + 2) + "|"]
+    lines += [
+        f"## Cost curves (ms per pass over k new tokens on a {CURVE_CONTEXT}-token context, logits for every row; "
+        f"prefill: ms per token of that context; each shape measured in turn across the two systems)",
+        "",
+    ]
+    header = " | ".join(f"k={k}" for k in CURVE_TOKENS)
+    lines += [f"| | {header} | k=4 / k=1 | prefill |", "|---" * (len(CURVE_TOKENS) + 3) + "|"]
     for name, curve in curves.items():
-        values = [curve[k] for k in CURVE_TOKENS]
-        lines.append(f"| {name} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {curve[4] / curve[1]:.2f} |")
+        values = " | ".join(f"{curve[k]:.1f}" for k in CURVE_TOKENS)
+        lines.append(f"| {name} | {values} | {curve[4] / curve[1]:.2f} | {curve['prefill']:.1f} |")
     lines += ["", f"## End to end: greedy, {config.max_new_tokens} tokens, {config.threads} threads, median tokens/s", ""]
     for category, systems in table.items():
         best_peer = max(v for k, v in systems.items() if k.startswith("llama.cpp"))
@@ -198,14 +228,17 @@ def run_llama_cpp(config: LlamaCppConfig) -> Path:
     out = Path(config.output_root) / config.name
     out.mkdir(parents=True, exist_ok=True)
     target_file = gguf_path(config.target_model)
-    draft_base = split_variant(config.draft_model)[0]
-    curves = {
-        f"specdec gguf engine, {config.target_model}": gguf_curve(config.target_model),
-        f"llama.cpp, {config.target_model}": llama_curve(target_file, config.threads),
-    }
-    if gguf_path(draft_base):
-        curves[f"specdec gguf engine, {draft_base}"] = gguf_curve(draft_base)
-        curves[f"llama.cpp, {draft_base}"] = llama_curve(gguf_path(draft_base), config.threads)
+    model_draft = next((d for d in (config.draft_model, model_draft_for(config.target_model)) if d and not is_ngram(d)), None)
+    draft_base = split_variant(model_draft)[0] if model_draft else None
+    models = [config.target_model] + ([draft_base] if draft_base and gguf_path(draft_base) else [])
+    curves = {}
+    for model in models:
+        curves |= interleaved_curves(
+            {
+                f"specdec gguf engine, {model}": gguf_passes(model),
+                f"llama.cpp, {model}": llama_passes(gguf_path(model), config.threads),
+            }
+        )
     for name, curve in curves.items():
         print(f"{name}: " + "  ".join(f"k={k} {ms:.1f}" for k, ms in curve.items()), flush=True)
     prompts = [p for p in load_prompts(QUICK_PROMPTS if config.quick else None) if p["category"] in CATEGORIES]
@@ -214,7 +247,7 @@ def run_llama_cpp(config: LlamaCppConfig) -> Path:
         "llama.cpp prompt lookup": llama(target_file, config.threads, lookup=True),
     }
     rows = []
-    for draft in dict.fromkeys([config.draft_model, "ngram"]):
+    for draft in dict.fromkeys(d for d in (config.draft_model, "ngram", model_draft) if d):
         rows += run_cluster_systems(config, draft, prompts, peers if not rows else {}, out)
     table, identical, machine = summarise(rows), identical_to_target_only(rows), machine_description()
     results = {"config": asdict(config), "machine": machine, "curves": curves, "rows": rows, "table": table}

@@ -29,7 +29,7 @@ from common.cost_curve import CALIBRATION_CONTEXT
 from common.models import load_model, split_variant
 from common.packed_linear import can_pack, pack_linear_layers
 from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, default_draft_for, free_port
+from coordinator.cluster import Cluster, default_draft_for, free_port, model_draft_for
 from coordinator.worker_clients import info_from_proto
 from draft_worker.ngram import is_ngram
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc, worker_pb2
@@ -58,7 +58,7 @@ ALL_SYSTEMS = [name for name, _, _ in GRPC_SYSTEMS] + [HF_GENERATE, HF_ASSISTED]
 class PairConfig:
     name: str
     target_model: str = DEFAULT_PAIR_TARGET
-    draft_model: str | None = None  # default: the target's default draft
+    draft_model: str | None = None  # default: the target's model draft (coordinator.cluster.MODEL_DRAFTS)
     device: str = "cpu"
     quick: bool = False
     max_new_tokens: int = 64
@@ -67,7 +67,7 @@ class PairConfig:
     output_root: str = "bench/results"
 
     def __post_init__(self):
-        self.draft_model = self.draft_model or default_draft_for(self.target_model)
+        self.draft_model = self.draft_model or model_draft_for(self.target_model) or default_draft_for(self.target_model)
         if is_ngram(self.draft_model):
             raise ValueError(f"the pair suite compares a model draft with HF assisted generation; got {self.draft_model!r}")
         if self.quick:

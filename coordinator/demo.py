@@ -1,5 +1,5 @@
-"""`make demo`: the real pair (Qwen2.5-Coder-1.5B verified by its 0.5B sibling) as a local cluster answering code
-questions, each answer streamed and then timed against the same target alone."""
+"""`make demo`: Qwen2.5-Coder-1.5B in its default deployment (the gguf engine, the draft default_draft_for gives it) as a
+local cluster answering code questions, each answer streamed and then timed against the same target alone."""
 
 import time
 

@@ -190,6 +190,27 @@ void q80_rows(const Q80& w, int64_t n, const QuantizedRows& a, const int64_t* ro
 
 // ---- driver --------------------------------------------------------------------------------------------------
 
+#ifdef SPECDEC_WIDE_TILES
+#include "kernel_wide_tiles.h"
+#endif
+
+// A tile of R rows: full tiles of Q4_K and Q6_K on 512-bit vectors where the namespace has them (same results).
+template <int R>
+void q4k_tile(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+#ifdef SPECDEC_WIDE_TILES
+    if constexpr (R == kRowTile) return q4k_rows_wide<R>(w, n, a, rows, out);
+#endif
+    q4k_rows<R>(w, n, a, rows, out);
+}
+
+template <int R>
+void q6k_tile(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+#ifdef SPECDEC_WIDE_TILES
+    if constexpr (R == kRowTile) return q6k_rows_wide<R>(w, n, a, rows, out);
+#endif
+    q6k_rows<R>(w, n, a, rows, out);
+}
+
 #define SPECDEC_KERNEL(name, fn)                                                                    \
     template <int R> struct name {                                                                  \
         template <typename W>                                                                       \
@@ -197,8 +218,8 @@ void q80_rows(const Q80& w, int64_t n, const QuantizedRows& a, const int64_t* ro
             fn<R>(w, n, a, rows, out);                                                              \
         }                                                                                           \
     };
-SPECDEC_KERNEL(Q4KKernel, q4k_rows)
-SPECDEC_KERNEL(Q6KKernel, q6k_rows)
+SPECDEC_KERNEL(Q4KKernel, q4k_tile)
+SPECDEC_KERNEL(Q6KKernel, q6k_tile)
 SPECDEC_KERNEL(Q41Kernel, q41_rows)
 SPECDEC_KERNEL(Q80Kernel, q80_rows)
 #undef SPECDEC_KERNEL
@@ -213,7 +234,12 @@ inline void run_remainder(int64_t remainder, const W& w, int64_t n, const Quanti
 }
 
 // Every output column n for every row: rows in tiles of kRowTile (the remainder in one smaller tile), columns
-// split over threads.
+// split over threads. Columns go in blocks of kColumnBlock, each block through every tile in turn: a tile's
+// activation rows then stay in L1 while the block's weight rows (up to 7 KB each: the block fits in L2) are read again from L2, where
+// going through all tiles per column would stream every activation row past L1 once per column. Each output is
+// still computed by one kernel call, in the same order: the blocking changes no result.
+constexpr int64_t kColumnBlock = 128;
+
 template <template <int> class Kernel, typename W>
 void matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base) {
     at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
@@ -221,10 +247,13 @@ void matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_featur
         for (int64_t r = 0; r < rows; ++r) index[r] = r;
         std::vector<float*> out(rows);
         for (int64_t r = 0; r < rows; ++r) out[r] = base + r * out_features;
-        for (int64_t n = begin; n < end; ++n) {
+        for (int64_t block = begin; block < end; block += kColumnBlock) {
+            const int64_t last = std::min(end, block + kColumnBlock);
             int64_t r = 0;
-            for (; r + kRowTile <= rows; r += kRowTile) Kernel<kRowTile>::run(w, n, a, &index[r], &out[r]);
-            run_remainder<Kernel>(rows - r, w, n, a, &index[r], &out[r]);
+            for (; r + kRowTile <= rows; r += kRowTile)
+                for (int64_t n = block; n < last; ++n) Kernel<kRowTile>::run(w, n, a, &index[r], &out[r]);
+            if (r < rows)
+                for (int64_t n = block; n < last; ++n) run_remainder<Kernel>(rows - r, w, n, a, &index[r], &out[r]);
         }
     });
 }

@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,8 @@ struct Q6K { const uint8_t* ql; const uint8_t* qh; const int8_t* sc; const float
 struct Q41 { const uint8_t* codes; const float* d; const float* m; int64_t k; };
 struct Q80 { const int8_t* codes; const float* d; int64_t k; };
 
+#include "decoder_ops.h"
+
 // ---- the kernels, once per instruction set ------------------------------------------------------------------
 
 namespace avx2 {
@@ -106,7 +109,9 @@ constexpr int kRowTile = 8;  // AVX-512 has 32 vector registers
 constexpr int kSplit = 2;    // dpwssd: a chain of five-cycle fused products
 inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) { return _mm256_dpwssd_epi32(acc, p, s); }
 inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+#define SPECDEC_WIDE_TILES  // full tiles of Q4_K and Q6_K on 512-bit vectors (kernel_wide_tiles.h)
 #include "kernel_rows.h"
+#undef SPECDEC_WIDE_TILES
 }  // namespace vnni
 #pragma GCC pop_options
 
@@ -205,6 +210,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("q41_matmul", &q41_matmul);
     m.def("q80_matmul", &q80_matmul);
     m.def("quantize_activations", &quantize_activations);
+    m.def("rms_norm", &rms_norm);
+    m.def("rotary", &rotary);
+    m.def("attend_sessions", &attend_sessions);
     m.def("isa", &isa);
     m.def("set_isa", &set_isa);
 }

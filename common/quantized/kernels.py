@@ -20,7 +20,8 @@ from common.model_files import cache_dir
 log = logging.getLogger("specdec")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-HEADERS = [Path(__file__).with_name("kernel_rows.h")]  # included by SOURCE
+# Included by SOURCE.
+HEADERS = [Path(__file__).with_name(name) for name in ("kernel_rows.h", "kernel_wide_tiles.h", "decoder_ops.h")]
 NAME = "specdec_gguf_kernels"
 # Flags every AVX2 machine has, never -march=native: one cache directory (a Docker image, a shared volume) may
 # serve machines of different CPUs. -ffp-contract=off keeps each product's float operations exactly as written,

@@ -15,6 +15,7 @@ import torch
 
 from common.errors import InvalidArgument
 from common.quantized.formats import FLOAT_FORMATS, UnsupportedFormat, pack
+from common.quantized.decoder import QuantizedDecoder
 from common.quantized.gguf_file import GGUFFormatError, read_tensors
 from common.quantized.layers import QuantizedEmbedding, QuantizedLinear
 
@@ -128,6 +129,8 @@ def build_quantized_model(path: str, config) -> torch.nn.Module:
     if left:
         raise InvalidArgument("model", f"{path}: no GGUF tensor for {', '.join(left[:5])}")
     model.eval().requires_grad_(False)
+    # forward_sessions runs the lean decoder; transformers' forward (over the same layers) stays for generate().
+    model.sessions_forward = QuantizedDecoder(model)
     size = sum(t.numel() * t.element_size() for t in model.buffers()) / 2**30
     log.info("gguf engine: %s on its own blocks in %.1f s (%.2f GiB)", os.path.basename(path), time.monotonic() - started, size)
     return model

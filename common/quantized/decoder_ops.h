@@ -1,0 +1,170 @@
+// The gguf engine's decoder pieces beside its products (included by kernels.cpp): RMS norm, rotary embedding and
+// causal attention over a session's cache. Each is a handful of torch ops in transformers, paid per layer in
+// Python and in torch's dispatch; here one call each.
+//
+// Every output row is computed on its own, in one fixed order that does not depend on how many rows the call has
+// or which other rows (or sessions) are in it: a query row attends exactly as a one-token step at its position
+// would, bit for bit, so a verification scores its rows as target-only decoding does.
+
+// e^x for 8 floats: Cephes' range reduction (x = n ln2 + r, |r| <= ln2 / 2) and degree-5 polynomial, as
+// avx_mathfun's exp256_ps; relative error about 2e-7. Below -87.3 it returns 0.
+inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    __m256 fx = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), x), _mm256_set1_ps(1.f));
+    const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(n)));
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {  // d a multiple of 8
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum_f32(acc);
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be contiguous float32");
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w for each row of x [rows, d].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+    check_rows(x, "x");
+    check_rows(w, "w");
+    const int64_t d = x.size(-1), rows = x.numel() / d;
+    TORCH_CHECK(d % 8 == 0 && w.numel() == d, "rms_norm: ", d, " features, ", w.numel(), " weights");
+    auto y = torch::empty_like(x);
+    const float *xs = x.data_ptr<float>(), *ws = w.data_ptr<float>();
+    float* ys = y.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float* xr = xs + r * d;
+            const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(dot(xr, xr, d) / (float)d + (float)eps));
+            for (int64_t i = 0; i < d; i += 8)
+                _mm256_storeu_ps(ys + r * d + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), _mm256_loadu_ps(ws + i)));
+        }
+    });
+    return y;
+}
+
+// In place, x [rows, heads, dim]: x * cos + rotate_half(x) * sin, with cos and sin [rows, dim] (transformers'
+// rotary embedding, so that any rope scaling it implements applies), rotate_half(x) = (-x[dim/2:], x[:dim/2]).
+void rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+    check_rows(x, "x");
+    check_rows(cos, "cos");
+    check_rows(sin, "sin");
+    TORCH_CHECK(x.dim() == 3 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(),
+                "rotary: x [rows, heads, dim], cos and sin [rows, dim]");
+    const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+    float* xs = x.data_ptr<float>();
+    const float *cs = cos.data_ptr<float>(), *ss = sin.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *c = cs + r * dim, *s = ss + r * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            float* v = xs + (r * heads + h) * dim;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + (-b) * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+// Appends each session's new keys and values to its cache buffers and returns every query row's causal attention
+// against its session's cache up to its own position.
+//   q [rows, heads, dim]; k, v [rows, kv_heads, dim]: the pass's rows, session after session (lengths[s] each);
+//   keys[s], values[s] [1, kv_heads, capacity, dim]: session s's buffers, holding starts[s] tokens before the pass
+//   (capacity >= starts[s] + lengths[s]); returns [rows, heads * dim].
+// A row's scores, softmax and weighted sum run in one order over positions 0..its own, whatever else is in the call.
+torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> keys,
+                              std::vector<torch::Tensor> values, std::vector<int64_t> starts, std::vector<int64_t> lengths,
+                              double scale) {
+    check_rows(q, "q");
+    check_rows(k, "k");
+    check_rows(v, "v");
+    TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+                "attend_sessions: q [rows, heads, dim], k and v [rows, kv_heads, dim]");
+    const int64_t rows = q.size(0), heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
+    const int64_t sessions = (int64_t)lengths.size();
+    TORCH_CHECK(dim % 8 == 0 && dim <= 256 && heads % kv_heads == 0, "attend_sessions: unsupported head shape");
+    TORCH_CHECK((int64_t)keys.size() == sessions && (int64_t)values.size() == sessions && (int64_t)starts.size() == sessions,
+                "attend_sessions: one buffer pair and start per session");
+    std::vector<int64_t> session_of(rows), position_of(rows);
+    std::vector<float*> key_base(sessions), value_base(sessions);
+    std::vector<int64_t> capacity(sessions);
+    int64_t row = 0, longest = 0;
+    for (int64_t s = 0; s < sessions; ++s) {
+        check_rows(keys[s], "keys");
+        check_rows(values[s], "values");
+        capacity[s] = keys[s].size(2);
+        TORCH_CHECK(keys[s].dim() == 4 && keys[s].size(1) == kv_heads && keys[s].size(3) == dim && values[s].sizes() == keys[s].sizes() &&
+                        starts[s] >= 0 && starts[s] + lengths[s] <= capacity[s],
+                    "attend_sessions: session ", s, "'s buffers do not fit the pass");
+        key_base[s] = keys[s].data_ptr<float>();
+        value_base[s] = values[s].data_ptr<float>();
+        for (int64_t i = 0; i < lengths[s]; ++i, ++row) {
+            TORCH_CHECK(row < rows, "attend_sessions: lengths exceed the rows");
+            session_of[row] = s;
+            position_of[row] = starts[s] + i;
+        }
+        longest = std::max(longest, starts[s] + lengths[s]);
+    }
+    TORCH_CHECK(row == rows, "attend_sessions: lengths add up to ", row, ", not ", rows);
+    const float *qs = q.data_ptr<float>(), *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t s = session_of[r], p = position_of[r];
+        for (int64_t g = 0; g < kv_heads; ++g) {
+            std::memcpy(key_base[s] + (g * capacity[s] + p) * dim, ks + (r * kv_heads + g) * dim, dim * sizeof(float));
+            std::memcpy(value_base[s] + (g * capacity[s] + p) * dim, vs + (r * kv_heads + g) * dim, dim * sizeof(float));
+        }
+    }
+    auto out = torch::empty({rows, heads * dim}, q.options());
+    float* os = out.data_ptr<float>();
+    const int64_t group = heads / kv_heads, items = rows * heads;
+    // Few rows over a short cache are cheaper on one thread than a fork and join.
+    const int64_t grain = items * longest * dim < (1 << 18) ? items : 1;
+    at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+        std::vector<float> score(longest + 8);
+        for (int64_t item = begin; item < end; ++item) {
+            const int64_t r = item / heads, h = item % heads, s = session_of[r], seen = position_of[r] + 1;
+            const float* qr = qs + (r * heads + h) * dim;
+            const float* key = key_base[s] + (h / group) * capacity[s] * dim;
+            const float* value = value_base[s] + (h / group) * capacity[s] * dim;
+            float top = -INFINITY;
+            for (int64_t j = 0; j < seen; ++j) {
+                score[j] = dot(qr, key + j * dim, dim) * (float)scale;
+                top = std::max(top, score[j]);
+            }
+            for (int64_t j = seen; j < ((seen + 7) & ~int64_t(7)); ++j) score[j] = -INFINITY;
+            __m256 total = _mm256_setzero_ps();
+            for (int64_t j = 0; j < seen; j += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&score[j]), _mm256_set1_ps(top)));
+                _mm256_storeu_ps(&score[j], e);
+                total = _mm256_add_ps(total, e);
+            }
+            __m256 acc[32];
+            const int64_t lanes = dim / 8;
+            for (int64_t i = 0; i < lanes; ++i) acc[i] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < seen; ++j) {
+                const __m256 w = _mm256_set1_ps(score[j]);
+                for (int64_t i = 0; i < lanes; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + j * dim + 8 * i), acc[i]);
+            }
+            const __m256 inv = _mm256_set1_ps(1.f / hsum_f32(total));
+            float* o = os + r * heads * dim + h * dim;
+            for (int64_t i = 0; i < lanes; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], inv));
+        }
+    });
+    return out;
+}
