@@ -71,6 +71,17 @@ def session_cache(num_layers: int) -> Cache:
     return Cache(layers=[GrowableLayer() for _ in range(num_layers)])
 
 
+def clone_cache(cache: Cache) -> Cache:
+    """A session cache holding a copy of `cache`'s tokens in buffers of its own."""
+    copy = session_cache(len(cache.layers))
+    for source, target in zip(cache.layers, copy.layers, strict=True):
+        if source.is_initialized and source.key_buffer is not None:
+            target.lazy_initialization(source.keys, source.values)
+            target.key_buffer, target.value_buffer = source.key_buffer.clone(), source.value_buffer.clone()
+            target.set_length(source.length)
+    return copy
+
+
 class RaggedCache:
     """What the model sees as its cache during a batched pass: update() splits the packed keys and values by
     session, appends each part to its session's cache, and hands every session's full keys and values on to

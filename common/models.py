@@ -57,6 +57,13 @@ class LoadedModel:
     dtype: torch.dtype
     engine: str = "torch"  # or "gguf": see resolve_engine
 
+    @property
+    def fixed_kernels(self) -> bool:
+        """Whether every row count runs the same kernels (the gguf engine: rows share only the loading of the
+        weights, each adds its own products). A pass over more rows then never costs less, and a new row count
+        needs no warm-up (measure_forward_costs)."""
+        return self.engine == "gguf"
+
 
 def parse_spec_params(spec: str, prefix: str, defaults: dict[str, float]) -> dict[str, float]:
     """Parses 'prefix:key=value,...' into defaults updated with the given keys."""

@@ -174,7 +174,11 @@ class DraftEngine:
         self.loaded = loaded
         if loaded:
             use_ragged_attention(loaded.model)
-        self.forward_costs = measure_forward_costs(loaded.model, loaded.vocab_size) if loaded and calibrate else []
+        self.forward_costs = (
+            measure_forward_costs(loaded.model, loaded.vocab_size, fixed_kernels=loaded.fixed_kernels)
+            if loaded and calibrate
+            else []
+        )
         self.name = name
         self.ngram = ngram
         self.default_max_q_entries = default_max_q_entries

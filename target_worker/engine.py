@@ -85,7 +85,9 @@ class TargetEngine:
         use_ragged_attention(loaded.model)
         self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions)
         self.metrics = WorkerMetrics("target", self.sessions)
-        self.forward_costs = measure_forward_costs(loaded.model, loaded.vocab_size) if calibrate else []
+        self.forward_costs = (
+            measure_forward_costs(loaded.model, loaded.vocab_size, fixed_kernels=loaded.fixed_kernels) if calibrate else []
+        )
 
     def begin_session(self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0) -> TargetSession:
         """Checks the opening and reserves the session; its prompt is prefilled by a PrefillCall in a batch."""

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from common.cost_curve import cheapest_rows, cost_at
+from common.cost_curve import CALIBRATION_TOKENS, cheapest_rows, cost_at, measure_forward_costs, nondecreasing
 from common.sampling import SamplingParams
 from coordinator.config import CoordinatorConfig
 from coordinator.round import DraftSync
@@ -35,6 +35,22 @@ def test_a_verification_is_padded_to_the_cheapest_row_count():
     assert [cheapest_rows(SMOLLM2_CPU, n) for n in (1, 2, 3, 4, 5, 6, 7)] == [1, 5, 5, 5, 5, 6, 8]
     assert cost_at(SMOLLM2_CPU, cheapest_rows(SMOLLM2_CPU, 3)) == 50
     assert cheapest_rows([], 3) == 3
+
+
+def test_a_curve_that_cannot_fall_is_smoothed_instead_of_padded_for():
+    # A gguf worker's curve measured in a noisy moment: the 2-row pass looked cheaper than the 1-row one.
+    measured = [(1, 90.2), (2, 76.8), (3, 92.8), (4, 118.6), (5, 110.0), (6, 130.0)]
+    smooth = nondecreasing(measured)
+    assert [c for _, c in smooth] == pytest.approx([83.5, 83.5, 92.8, 114.3, 114.3, 130.0])
+    assert [cheapest_rows(measured, 1), cheapest_rows(smooth, 1)] == [2, 1]  # the raw curve would pad every step
+    assert all(cheapest_rows(smooth, n) == n for n in range(1, 7))
+    assert nondecreasing(SMOLLM2_CPU[:1]) == SMOLLM2_CPU[:1] and nondecreasing([]) == []
+
+
+def test_a_fixed_kernel_models_measured_curve_never_falls(target_model):
+    curve = measure_forward_costs(target_model.model, target_model.vocab_size, repeats=1, fixed_kernels=True)
+    assert [t for t, _ in curve] == CALIBRATION_TOKENS
+    assert all(a <= b for (_, a), (_, b) in zip(curve, curve[1:], strict=False)) and curve[0][1] > 0
 
 
 def test_cost_curve_interpolates_and_extrapolates():

@@ -5,6 +5,7 @@ import contextlib
 
 import torch
 
+from common.batched_forward import clone_cache
 from common.cached_sequence import CachedSequence
 from common.sampling import SamplingParams, logits_to_probs, truncate_probs
 from draft_worker.engine import DraftEngine
@@ -100,3 +101,16 @@ def test_rollback_is_a_crop_not_a_re_forward(target_model):
     with counting_forwards(target_model.model) as forwards:
         assert sequence.rollback(len(PROMPT) + 1) == 3
     assert forwards == [] and sequence.cache.get_seq_length() == len(PROMPT) + 1
+
+
+def test_a_cloned_cache_scores_as_its_source_and_moves_on_its_own(target_model):
+    model = target_model.model
+    source = CachedSequence(model, PROMPT)
+    source.prefill()
+    copy = CachedSequence(model, PROMPT)
+    copy.cache = clone_cache(source.cache)
+    assert copy.cache_len == source.cache_len == len(PROMPT) - 1
+    assert torch.equal(copy.forward([PROMPT[-1]], 1), source.forward([PROMPT[-1]], 1))
+    copy.forward([1, 2, 3], 1)  # the copy moves on; its source does not see it
+    assert (copy.cache_len, source.cache_len) == (len(PROMPT) + 3, len(PROMPT))
+    assert torch.allclose(source.forward([9], 1)[0], fresh_next_logits(model, PROMPT + [9]), atol=1e-5)
