@@ -1,4 +1,4 @@
-"""A session's token sequence and the KV cache that holds (a prefix of) it, per ../design/round.md.
+"""A session's token sequence and the KV cache that holds (a prefix of) it, per docs/design/round.md.
 
 Between rounds the cache holds every committed token but the pending tail; a forward pass feeds tokens on top of
 the cache, and a rollback crops rejected tokens off its end in O(1), never re-running the prefix. Forward passes

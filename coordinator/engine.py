@@ -1,6 +1,6 @@
 """The speculate-verify loop: one generation request is one session on each worker.
 
-Per round (../design/round.md): the draft syncs the previous verdict and proposes g tokens with their q; the
+Per round (docs/design/round.md): the draft syncs the previous verdict and proposes g tokens with their q; the
 target scores them in one pass and returns n accepted plus the next token; the committed tokens go through the
 output tracker (EOS, stop strings, max_new_tokens) before anything is streamed. The engine knows nothing of
 gRPC's server side; coordinator.server translates protobuf to calls on it.

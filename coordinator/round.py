@@ -1,4 +1,4 @@
-"""One speculation round (../shared/design/round.md): draft, verify in one target pass, and keep the draft in step.
+"""One speculation round (docs/design/round.md): draft, verify in one target pass, and keep the draft in step.
 
 speculation_round is the whole round; it does no tracing, metrics or gamma policy (the request loop in
 coordinator.engine feeds its RoundResult to those), and no failure handling (the RoundWorkers it is given turn a
