@@ -12,13 +12,6 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from common.quantized.kernels import kernels
-from common.quantized.layers import QuantizedLinear
-
-
-def project(linear: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] -> [rows, out] on the layer's blocks, bias included."""
-    y = linear.matmul(x, *(getattr(linear, n) for n in linear.names), linear.out_features, linear.in_features)
-    return y if linear.bias is None else y.add_(linear.bias)
 
 
 class DecoderLayer:
@@ -66,19 +59,19 @@ class QuantizedDecoder:
                 buffers.reserve(prototype, prototype, start + n)
         for layer, spec in enumerate(self.layers):
             h = ops.rms_norm(hidden, spec.attention_norm.weight, spec.attention_norm.variance_epsilon)
-            q = project(spec.q, h).view(rows, heads, spec.head_dim)
-            k = project(spec.k, h).view(rows, kv_heads, spec.head_dim)
-            v = project(spec.v, h).view(rows, kv_heads, spec.head_dim)
+            q = spec.q.product(h).view(rows, heads, spec.head_dim)
+            k = spec.k.product(h).view(rows, kv_heads, spec.head_dim)
+            v = spec.v.product(h).view(rows, kv_heads, spec.head_dim)
             ops.rotary(q, cos, sin)
             ops.rotary(k, cos, sin)
             buffers = [cache.layers[layer] for cache in caches]
             attended = ops.attend_sessions(
                 q, k, v, [b.key_buffer for b in buffers], [b.value_buffer for b in buffers], starts, lengths, spec.scaling
             )
-            hidden += project(spec.o, attended)
+            hidden += spec.o.product(attended)
             h = ops.rms_norm(hidden, spec.ffn_norm.weight, spec.ffn_norm.variance_epsilon)
-            gate = F.silu(project(spec.gate, h), inplace=True).mul_(project(spec.up, h))
-            hidden += project(spec.down, gate)
+            gate = F.silu(spec.gate.product(h), inplace=True).mul_(spec.up.product(h))
+            hidden += spec.down.product(gate)
         for cache, start, n in zip(caches, starts, lengths, strict=True):
             for buffers in cache.layers:
                 buffers.set_length(start + n)

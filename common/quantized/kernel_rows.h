@@ -8,42 +8,60 @@
 // Both instruction sets compute the same exact integer sums and then the same float operations in the same order,
 // so they agree bit for bit: which one a machine runs never changes a result.
 
+// A tile's activation rows: their int8 codes, block scales and group sums.
+template <int R>
+struct RowTile {
+    const int8_t* q[R];
+    const float* scale[R];
+    const int16_t* sums[R];
+    RowTile(const QuantizedRows& a, const int64_t* rows) {
+        for (int r = 0; r < R; ++r) { q[r] = a.row_q(rows[r]); scale[r] = a.row_scale(rows[r]); sums[r] = a.row_sums(rows[r]); }
+    }
+};
+
 // ---- Q4_K: 4-bit codes, per 256: d, dmin; per 32: 6-bit scale and min --------------------------------------
 // codes [N, K/2]: in each 64 weights, byte i holds weight i (low nibble) and weight 32 + i (high nibble).
 // w = d * sc[g] * code - dmin * mn[g].
 
+// One row's float accumulation over the superblocks, from each superblock's exact integer sums: written once, so
+// that every Q4_K kernel (256- and 512-bit) runs the very same float operations.
+struct Q4KSum {
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps();
+    // isum: the superblock's int32 lanes; mins: its 8 group mins as int16; sums: the row's code sums of those groups.
+    void add(__m256i isum, __m128i mins, const int16_t* sums, float d_scale, float dmin_scale) {
+        // The mins' term, sum over the 8 groups of mn[g] * (sum of the row's codes in g), as 4 int32 lanes.
+        const __m128i imin = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)sums));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d_scale), acc);
+        acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_set1_ps(dmin_scale), acc_min);
+    }
+    float result() const {
+        __m128 t = _mm_add_ps(acc_min, _mm_movehl_ps(acc_min, acc_min));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        return hsum_f32(acc) - _mm_cvtss_f32(t);
+    }
+};
 
 template <int R>
-void q4k_rows(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+void q4k_rows(const Q4K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+    const Q4K w = weights.row(n);
     const int64_t superblocks = w.k / 256;
-    const uint8_t* codes = w.codes + n * (w.k / 2);
-    const uint8_t* sc = w.sc + n * (w.k / 32);
-    const uint8_t* mn = w.mn + n * (w.k / 32);
-    const float* d = w.d + n * superblocks;
-    const float* dmin = w.dmin + n * superblocks;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const int8_t* aq[R];
-    const float* as[R];
-    const int16_t* sums[R];
-    __m256 acc[R];
-    __m128 acc_min[R];
-    for (int r = 0; r < R; ++r) {
-        aq[r] = a.row_q(rows[r]); as[r] = a.row_scale(rows[r]); sums[r] = a.row_sums(rows[r]);
-        acc[r] = _mm256_setzero_ps(); acc_min[r] = _mm_setzero_ps();
-    }
+    const RowTile<R> x(a, rows);
+    Q4KSum total[R];
     for (int64_t s = 0; s < superblocks; ++s) {
         __m256i isum[R], isum2[R];  // isum2: a second chain for few rows (see kSplit)
         for (int r = 0; r < R; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
         // The 8 group scales as int16, in both 128-bit halves: one shuffle then broadcasts any of them.
-        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sc + s * 8))));
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.sc + s * 8))));
         for (int c = 0; c < 4; ++c) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + s * 128 + c * 32));
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(w.codes + s * 128 + c * 32));
             const __m256i lo = _mm256_and_si256(v, low);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((int16_t)(((4 * c + 1) << 8) | (4 * c))));
             const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((int16_t)(((4 * c + 3) << 8) | (4 * c + 2))));
             for (int r = 0; r < R; ++r) {
-                const int8_t* q = aq[r] + s * 256 + c * 64;
+                const int8_t* q = x.q[r] + s * 256 + c * 64;
                 const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)q));
                 const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q + 32)));
                 if constexpr (R <= kSplit) {
@@ -54,21 +72,13 @@ void q4k_rows(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* ro
                 }
             }
         }
-        // The mins' term, sum over the 8 groups of mn[g] * (sum of the row's codes in g), as 4 int32 lanes.
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(mn + s * 8)));
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.mn + s * 8)));
         for (int r = 0; r < R; ++r) {
-            const __m128i imin = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(sums[r] + s * 8)));
             if constexpr (R <= kSplit) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d[s] * as[r][s]), acc[r]);
-            acc_min[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_set1_ps(dmin[s] * as[r][s]), acc_min[r]);
+            total[r].add(isum[r], mins, x.sums[r] + s * 8, w.d[s] * x.scale[r][s], w.dmin[s] * x.scale[r][s]);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        const __m128 m = acc_min[r];
-        __m128 t = _mm_add_ps(m, _mm_movehl_ps(m, m));
-        t = _mm_add_ss(t, _mm_movehdup_ps(t));
-        out[r][n] = hsum_f32(acc[r]) - _mm_cvtss_f32(t);
-    }
+    for (int r = 0; r < R; ++r) out[r][n] = total[r].result();
 }
 
 // ---- Q6_K: 6-bit codes (0..63, weight = code - 32) as the file packs them; per 16: int8 scale; per 256: d ------
@@ -76,40 +86,42 @@ void q4k_rows(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* ro
 // byte 32 + l those of 32 + l and 96 + l; qh byte l the high 2 bits of l, 32 + l, 64 + l and 96 + l.
 
 
+// A superblock's start, scales16 holding its 16 group scales as int16: minus the codes' offset of 32, 32 * sum
+// over the groups of sc[g] * (sum of the row's codes in g), as 8 int32 lanes (shared by every Q6_K kernel).
+inline __m256i q6k_offset(__m256i scales16, const int16_t* sums) {
+    const __m256i offset = _mm256_madd_epi16(scales16, _mm256_loadu_si256((const __m256i*)sums));
+    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+}
+
+// A superblock's float step, written once for every Q6_K kernel.
+inline __m256 q6k_add(__m256 acc, __m256i isum, float d_scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d_scale), acc);
+}
+
 template <int R>
-void q6k_rows(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+    const Q6K w = weights.row(n);
     const int64_t superblocks = w.k / 256;
-    const uint8_t* ql = w.ql + n * (w.k / 2);
-    const uint8_t* qh = w.qh + n * (w.k / 4);
-    const int8_t* sc = w.sc + n * (w.k / 16);
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i high = _mm256_set1_epi8(0x30);
     // Bytes 0-1 of each int32 into the low 128 bits' int16 lanes, bytes 2-3 into the high ones'.
     const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    const float* d = w.d + n * superblocks;
-    const int8_t* aq[R];
-    const float* as[R];
-    const int16_t* sums[R];
+    const RowTile<R> x(a, rows);
     __m256 acc[R];
-    for (int r = 0; r < R; ++r) {
-        aq[r] = a.row_q(rows[r]); as[r] = a.row_scale(rows[r]); sums[r] = a.row_sums(rows[r]);
-        acc[r] = _mm256_setzero_ps();
-    }
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < superblocks; ++s) {
         __m256i isum[R], isum2[R];  // isum2: a second chain for few rows (see kSplit)
         // int16 lane g = sc[g]; int32 element c therefore holds the scales of chunk c's two groups, 2c and 2c + 1.
-        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(sc + s * 16)));
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w.sc + s * 16)));
         for (int r = 0; r < R; ++r) {
-            // The codes' offset of 32: 32 * sum over the 16 groups of sc[g] * (sum of the row's codes in g).
-            const __m256i offset = _mm256_madd_epi16(scales16, _mm256_loadu_si256((const __m256i*)(sums[r] + s * 16)));
-            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+            isum[r] = q6k_offset(scales16, x.sums[r] + s * 16);
             isum2[r] = _mm256_setzero_si256();
         }
         for (int half = 0; half < 2; ++half) {
-            const __m256i a0 = _mm256_loadu_si256((const __m256i*)(ql + (s * 2 + half) * 64));
-            const __m256i a1 = _mm256_loadu_si256((const __m256i*)(ql + (s * 2 + half) * 64 + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i*)(qh + (s * 2 + half) * 32));
+            const __m256i a0 = _mm256_loadu_si256((const __m256i*)(w.ql + (s * 2 + half) * 64));
+            const __m256i a1 = _mm256_loadu_si256((const __m256i*)(w.ql + (s * 2 + half) * 64 + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i*)(w.qh + (s * 2 + half) * 32));
             // Weights 32j..32j+31 of this 128: nibble j / 2 of ql half j % 2, qh bits 2j..2j+1.
             const __m256i v[4] = {
                 _mm256_or_si256(_mm256_and_si256(a0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), high)),
@@ -122,7 +134,7 @@ void q6k_rows(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* ro
                 // int16 lanes 0..7 come from bytes 0..15 (group 2c), lanes 8..15 from bytes 16..31 (group 2c + 1).
                 const __m256i scales = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales16, _mm256_set1_epi32(c)), split);
                 for (int r = 0; r < R; ++r) {
-                    const __m256i p = _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i*)(aq[r] + s * 256 + c * 32)));
+                    const __m256i p = _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i*)(x.q[r] + s * 256 + c * 32)));
                     if (R <= kSplit && (j & 1)) isum2[r] = dot_add(isum2[r], p, scales);
                     else isum[r] = dot_add(isum[r], p, scales);
                 }
@@ -130,7 +142,7 @@ void q6k_rows(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* ro
         }
         for (int r = 0; r < R; ++r) {
             if constexpr (R <= kSplit) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d[s] * as[r][s]), acc[r]);
+            acc[r] = q6k_add(acc[r], isum[r], w.d[s] * x.scale[r][s]);
         }
     }
     for (int r = 0; r < R; ++r) out[r][n] = hsum_f32(acc[r]);

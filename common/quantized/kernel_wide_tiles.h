@@ -7,92 +7,66 @@
 // once per superblock, is therefore the very integer vector the 256-bit kernel holds there (integer addition is
 // exact in any order), and the float operations after it are the same code.
 
+// The 8 int32 lanes of the 256-bit kernel: the low half's lanes plus the high half's.
+inline __m256i halves_added(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+
 template <int R>
-void q4k_rows_wide(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+void q4k_rows_wide(const Q4K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+    const Q4K w = weights.row(n);
     const int64_t superblocks = w.k / 256;
-    const uint8_t* codes = w.codes + n * (w.k / 2);
-    const uint8_t* sc = w.sc + n * (w.k / 32);
-    const uint8_t* mn = w.mn + n * (w.k / 32);
-    const float* d = w.d + n * superblocks;
-    const float* dmin = w.dmin + n * superblocks;
     const __m512i low = _mm512_set1_epi8(0x0F);
     // A chunk's 32 code bytes in both halves: the low half keeps its low nibbles (weights 64c..64c+31), the high half
     // its high nibbles (64c+32..64c+63), so the activations of the whole chunk are one contiguous 64-byte load.
     const __m512i nibble = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    const int8_t* aq[R];
-    const float* as[R];
-    const int16_t* sums[R];
-    __m256 acc[R];
-    __m128 acc_min[R];
-    for (int r = 0; r < R; ++r) {
-        aq[r] = a.row_q(rows[r]); as[r] = a.row_scale(rows[r]); sums[r] = a.row_sums(rows[r]);
-        acc[r] = _mm256_setzero_ps(); acc_min[r] = _mm_setzero_ps();
-    }
+    const RowTile<R> x(a, rows);
+    Q4KSum total[R];
     for (int64_t s = 0; s < superblocks; ++s) {
         __m512i isum[R];
         for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-        const __m512i scales = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sc + s * 8))));
+        const __m512i scales = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.sc + s * 8))));
         for (int c = 0; c < 4; ++c) {
             const __m512i v = _mm512_and_si512(
-                _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(codes + s * 128 + c * 32))), nibble), low);
+                _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w.codes + s * 128 + c * 32))), nibble), low);
             // Group 2c's scale in the low half, group 2c + 1's in the high half.
             const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((int16_t)(((4 * c + 1) << 8) | (4 * c)))),
                                                     _mm256_set1_epi16((int16_t)(((4 * c + 3) << 8) | (4 * c + 2))), 1);
             const __m512i sv = _mm512_shuffle_epi8(scales, pick);
             for (int r = 0; r < R; ++r) {
-                const __m512i p = _mm512_maddubs_epi16(v, _mm512_loadu_si512((const void*)(aq[r] + s * 256 + c * 64)));
+                const __m512i p = _mm512_maddubs_epi16(v, _mm512_loadu_si512((const void*)(x.q[r] + s * 256 + c * 64)));
                 isum[r] = _mm512_dpwssd_epi32(isum[r], p, sv);
             }
         }
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(mn + s * 8)));
-        for (int r = 0; r < R; ++r) {
-            const __m256i total = _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1));
-            const __m128i imin = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(sums[r] + s * 8)));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d[s] * as[r][s]), acc[r]);
-            acc_min[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_set1_ps(dmin[s] * as[r][s]), acc_min[r]);
-        }
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.mn + s * 8)));
+        for (int r = 0; r < R; ++r)
+            total[r].add(halves_added(isum[r]), mins, x.sums[r] + s * 8, w.d[s] * x.scale[r][s], w.dmin[s] * x.scale[r][s]);
     }
-    for (int r = 0; r < R; ++r) {
-        const __m128 m = acc_min[r];
-        __m128 t = _mm_add_ps(m, _mm_movehl_ps(m, m));
-        t = _mm_add_ss(t, _mm_movehdup_ps(t));
-        out[r][n] = hsum_f32(acc[r]) - _mm_cvtss_f32(t);
-    }
+    for (int r = 0; r < R; ++r) out[r][n] = total[r].result();
 }
 
 alignas(64) constexpr int16_t kLaneGroup[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};  // int16 lane / 8
 
 template <int R>
-void q6k_rows_wide(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+void q6k_rows_wide(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+    const Q6K w = weights.row(n);
     const int64_t superblocks = w.k / 256;
-    const uint8_t* ql = w.ql + n * (w.k / 2);
-    const uint8_t* qh = w.qh + n * (w.k / 4);
-    const int8_t* sc = w.sc + n * (w.k / 16);
-    const float* d = w.d + n * superblocks;
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i high = _mm512_set1_epi8(0x30);
     // The high bits of chunk pairs (0, 1) and (2, 3) of each 128 weights: qh shifted left by 4 | 2, right by 0 | 2.
     const __m512i left = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(4)), _mm256_set1_epi16(2), 1);
     const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     const __m512i lane_group = _mm512_loadu_si512((const void*)kLaneGroup);
-    const float* dd = d;
-    const int8_t* aq[R];
-    const float* as[R];
-    const int16_t* sums[R];
+    const RowTile<R> x(a, rows);
     __m256 acc[R];
-    for (int r = 0; r < R; ++r) {
-        aq[r] = a.row_q(rows[r]); as[r] = a.row_scale(rows[r]); sums[r] = a.row_sums(rows[r]);
-        acc[r] = _mm256_setzero_ps();
-    }
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < superblocks; ++s) {
         __m512i isum[R];
         for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(sc + s * 16)));
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w.sc + s * 16)));
         const __m512i scales_all = _mm512_castsi256_si512(scales16);
         for (int half = 0; half < 2; ++half) {
-            const __m512i codes = _mm512_loadu_si512((const void*)(ql + (s * 2 + half) * 64));  // ql bytes a0 | a1
-            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qh + (s * 2 + half) * 32)));
+            const __m512i codes = _mm512_loadu_si512((const void*)(w.ql + (s * 2 + half) * 64));  // ql bytes a0 | a1
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(w.qh + (s * 2 + half) * 32)));
             const __m512i v[2] = {
                 _mm512_or_si512(_mm512_and_si512(codes, low), _mm512_and_si512(_mm512_sllv_epi16(h, left), high)),
                 _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(codes, 4), low), _mm512_and_si512(_mm512_srlv_epi16(h, right), high)),
@@ -103,16 +77,14 @@ void q6k_rows_wide(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_
                 const __m512i index = _mm512_add_epi16(_mm512_set1_epi16((int16_t)(2 * c)), lane_group);
                 const __m512i scales = _mm512_permutexvar_epi16(index, scales_all);
                 for (int r = 0; r < R; ++r) {
-                    const __m512i p = _mm512_maddubs_epi16(v[j], _mm512_loadu_si512((const void*)(aq[r] + s * 256 + c * 32)));
+                    const __m512i p = _mm512_maddubs_epi16(v[j], _mm512_loadu_si512((const void*)(x.q[r] + s * 256 + c * 32)));
                     isum[r] = _mm512_dpwssd_epi32(isum[r], p, scales);
                 }
             }
         }
         for (int r = 0; r < R; ++r) {
-            const __m256i offset = _mm256_madd_epi16(scales16, _mm256_loadu_si256((const __m256i*)(sums[r] + s * 16)));
-            const __m256i start = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
-            const __m256i total = _mm256_add_epi32(start, _mm256_add_epi32(_mm512_castsi512_si256(isum[r]), _mm512_extracti64x4_epi64(isum[r], 1)));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(dd[s] * as[r][s]), acc[r]);
+            const __m256i total = _mm256_add_epi32(q6k_offset(scales16, x.sums[r] + s * 16), halves_added(isum[r]));
+            acc[r] = q6k_add(acc[r], total, w.d[s] * x.scale[r][s]);
         }
     }
     for (int r = 0; r < R; ++r) out[r][n] = hsum_f32(acc[r]);

@@ -85,8 +85,14 @@ inline float hsum_f32(__m256 v) {
 // Q8_0 and Q5_0: int8 codes, per 32: d; w = d * code.
 struct Q4K {
     const uint8_t* codes; const uint8_t* sc; const uint8_t* mn; const float* d; const float* dmin; int64_t k;
+    Q4K row(int64_t n) const {  // output row n's blocks, as a one-row weight
+        return {codes + n * (k / 2), sc + n * (k / 32), mn + n * (k / 32), d + n * (k / 256), dmin + n * (k / 256), k};
+    }
 };
-struct Q6K { const uint8_t* ql; const uint8_t* qh; const int8_t* sc; const float* d; int64_t k; };
+struct Q6K {
+    const uint8_t* ql; const uint8_t* qh; const int8_t* sc; const float* d; int64_t k;
+    Q6K row(int64_t n) const { return {ql + n * (k / 2), qh + n * (k / 4), sc + n * (k / 16), d + n * (k / 256), k}; }
+};
 struct Q41 { const uint8_t* codes; const float* d; const float* m; int64_t k; };
 struct Q80 { const int8_t* codes; const float* d; int64_t k; };
 

@@ -32,11 +32,13 @@ class QuantizedLinear(torch.nn.Module):
         bias = None if self.bias is None else self.bias[rows].contiguous()
         return QuantizedLinear(PackedWeight(self.kernel, len(rows), self.in_features, tensors), bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, in_features], contiguous float32 -> [n, out_features], bias included."""
         y = self.matmul(rows, *(getattr(self, n) for n in self.names), self.out_features, self.in_features)
-        if self.bias is not None:
-            y = y + self.bias
+        return y if self.bias is None else y.add_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x.reshape(-1, self.in_features).float().contiguous())
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
