@@ -10,16 +10,22 @@ Measured, in one run:
    target and the draft, on specdec's gguf engine and on llama.cpp;
 2. end to end, interleaved per prompt and repeat (repeat 0 is a warm-up, not counted): the code and input-grounded
    prompts, greedy, `max_new_tokens` tokens, through specdec's services (target-only and auto gamma with the
-   target's default draft, and with prompt lookup) and through llama.cpp (plain and prompt lookup). Every specdec
-   output is checked against specdec's own target-only output.
+   target's default draft, with prompt lookup and with the model draft) and through llama.cpp: in this process
+   plain and with prompt lookup, and llama-server (bench.llama_server) plain and with the draft model (`-md`).
+   Every specdec output is checked against specdec's own target-only output;
+3. CONCURRENT_CLIENTS clients at once, the default deployment against llama-server with as many parallel slots
+   (`-np`): aggregate tokens/s, waves interleaved.
 """
 
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.llama_server import LlamaServer
 from bench.runner import grpc_run, load_prompts, machine_description, run_to_dict
 from common.models import gguf_path, load_model, split_variant
 from coordinator.client import GenerationClient
@@ -31,6 +37,8 @@ CATEGORIES = ("code", "input-grounded")
 QUICK_PROMPTS = ["palindrome", "fix-typos"]
 CURVE_TOKENS = (1, 2, 3, 4, 5, 8)
 CURVE_CONTEXT = 160
+CONCURRENT_CLIENTS = 8
+PEER_PREFIXES = ("llama.cpp", "llama-server")  # the systems that are llama.cpp's configurations
 LOOKUP_TOKENS = 10  # LlamaPromptLookupDecoding's default num_pred_tokens
 
 
@@ -94,21 +102,19 @@ def llama_passes(path: str, threads: int):
 
 def gguf_passes(spec: str):
     """The same two passes on the gguf engine."""
-    from common.batched_forward import forward_sessions, session_cache
-
-    model = (loaded := load_model(spec, engine="gguf")).model
+    loaded = load_model(spec, engine="gguf")
+    runner = loaded.runner
     tokens = loaded.tokenizer.encode(curve_prompt())[:CURVE_CONTEXT]
-    layers = len(model.get_decoder().layers)
-    cache = session_cache(layers)
-    forward_sessions(model, [cache], [tokens], [1])
+    cache = runner.new_cache()
+    runner.forward([cache], [tokens], [1])
     base = cache.get_seq_length()
 
     def step(k: int) -> None:
-        forward_sessions(model, [cache], [tokens[10 : 10 + k]], [k])
-        cache.crop(base - cache.get_seq_length())
+        runner.forward([cache], [tokens[10 : 10 + k]], [k])
+        runner.rollback(cache, base)
 
     def prefill() -> None:
-        forward_sessions(model, [session_cache(layers)], [tokens], [1])
+        runner.forward([runner.new_cache()], [tokens], [1])
 
     return step, prefill
 
@@ -146,13 +152,27 @@ def llama_run(llm, prompt: dict, max_new_tokens: int) -> dict:
     }
 
 
+def llama_server_run(server: LlamaServer, prompt: dict, max_new_tokens: int) -> dict:
+    start = time.perf_counter()
+    response = server.chat(prompt["prompt"], max_new_tokens)
+    return {
+        "tokens": response["usage"]["completion_tokens"],
+        "seconds": time.perf_counter() - start,
+        "text": response["choices"][0]["message"]["content"],
+    }
+
+
 def specdec_run(client: GenerationClient, prompt: dict, max_new_tokens: int, gamma: int) -> dict:
     """One greedy request through the coordinator (bench.runner.grpc_run), as a row."""
     return run_to_dict(grpc_run(client, "specdec", prompt, gamma, 0.0, 0, max_new_tokens))
 
 
-def run_cluster_systems(config: LlamaCppConfig, draft: str, prompts: list[dict], peers: dict, out: Path) -> list[dict]:
-    """One cluster (target + `draft`), its systems interleaved with llama.cpp's per prompt and repeat."""
+def run_cluster_systems(
+    config: LlamaCppConfig, draft: str, prompts: list[dict], peers: dict, out: Path, parallel_peer: LlamaServer | None = None
+) -> tuple[list[dict], list[dict]]:
+    """One cluster (target + `draft`), its systems interleaved with the peers' ({name: prompt -> row}) per prompt
+    and repeat; then, given parallel_peer, CONCURRENT_CLIENTS clients at once on the cluster and on that peer in
+    turn. Returns the single-client rows and the concurrent ones."""
     logs = out / ("logs-" + "".join(c if c.isalnum() or c in "-." else "_" for c in draft))
     logs.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(
@@ -163,22 +183,44 @@ def run_cluster_systems(config: LlamaCppConfig, draft: str, prompts: list[dict],
         log_dir=logs,
     )
     cluster.start()
-    rows = []
+    rows, concurrent = [], []
     try:
         with GenerationClient(cluster.address) as client:
             for repeat in range(config.repeats + 1):
                 for prompt in prompts:
                     systems = {"specdec target-only": lambda p: specdec_run(client, p, config.max_new_tokens, 0)}
                     systems[f"specdec auto ({draft})"] = lambda p: specdec_run(client, p, config.max_new_tokens, -1)
-                    for name, llm in peers.items():
-                        systems[name] = lambda p, llm=llm: llama_run(llm, p, config.max_new_tokens)
+                    systems.update(peers)
                     for system, run in systems.items():
                         row = run(prompt)
                         row.update(system=system, prompt=prompt["id"], category=prompt["category"], repeat=repeat)
                         rows.append(row)
                         print(f"{system:36s} {prompt['id']:14s} {row['tokens'] / row['seconds']:6.2f} tok/s", flush=True)
+            if parallel_peer is not None:
+                systems = {
+                    f"specdec auto ({draft})": lambda p: specdec_run(client, p, config.max_new_tokens, -1),
+                    f"llama-server -np {CONCURRENT_CLIENTS}": lambda p: llama_server_run(parallel_peer, p, config.max_new_tokens),
+                }
+                concurrent = concurrent_rows(systems, prompts, config.repeats)
     finally:
         cluster.stop()
+    return rows, concurrent
+
+
+def concurrent_rows(systems: dict, prompts: list[dict], repeats: int) -> list[dict]:
+    """CONCURRENT_CLIENTS clients at once, each sending one request (the prompts in turn), per system in turn and
+    repeat (repeat 0 warms up): the wall time of the whole wave and the tokens it produced."""
+    wave = [prompts[i % len(prompts)] for i in range(CONCURRENT_CLIENTS)]
+    rows = []
+    with ThreadPoolExecutor(CONCURRENT_CLIENTS) as pool:
+        for repeat in range(repeats + 1):
+            for system, run in systems.items():
+                start = time.perf_counter()
+                done = list(pool.map(run, wave))
+                seconds = time.perf_counter() - start
+                tokens = sum(r["tokens"] for r in done)
+                rows.append({"system": system, "repeat": repeat, "tokens": tokens, "seconds": seconds})
+                print(f"{CONCURRENT_CLIENTS} clients: {system:36s} {tokens / seconds:6.2f} tok/s in all", flush=True)
     return rows
 
 
@@ -202,7 +244,14 @@ def identical_to_target_only(rows: list[dict]) -> dict[str, bool]:
     }
 
 
-def report(config: LlamaCppConfig, curves: dict, table: dict, identical: dict, machine: dict) -> str:
+def summarise_concurrent(rows: list[dict]) -> dict:
+    """{system: median aggregate tokens/s} over the counted waves."""
+    counted = [r for r in rows if r["repeat"] > 0] or rows
+    systems = dict.fromkeys(r["system"] for r in counted)
+    return {s: statistics.median(r["tokens"] / r["seconds"] for r in counted if r["system"] == s) for s in systems}
+
+
+def report(config: LlamaCppConfig, curves: dict, table: dict, identical: dict, machine: dict, concurrent: dict) -> str:
     lines = [f"# specdec against llama.cpp: {config.name}", "", ", ".join(f"{k}: {v}" for k, v in machine.items()), ""]
     lines += [
         f"## Cost curves (ms per pass over k new tokens on a {CURVE_CONTEXT}-token context, logits for every row; "
@@ -216,11 +265,21 @@ def report(config: LlamaCppConfig, curves: dict, table: dict, identical: dict, m
         lines.append(f"| {name} | {values} | {curve[4] / curve[1]:.2f} | {curve['prefill']:.1f} |")
     lines += ["", f"## End to end: greedy, {config.max_new_tokens} tokens, {config.threads} threads, median tokens/s", ""]
     for category, systems in table.items():
-        best_peer = max(v for k, v in systems.items() if k.startswith("llama.cpp"))
+        best_peer = max(v for k, v in systems.items() if k.startswith(PEER_PREFIXES))
         lines += [f"### {category}", "", "| system | tokens/s | x best llama.cpp |", "|---|---|---|"]
         lines += [f"| {name} | {rate:.2f} | {rate / best_peer:.2f} |" for name, rate in systems.items()]
         lines.append("")
     lines += ["Greedy output identical to specdec target-only: " + ", ".join(f"{k}: {v}" for k, v in identical.items()), ""]
+    if concurrent:
+        peer = next(v for k, v in concurrent.items() if k.startswith("llama-server"))
+        lines += [
+            f"## {CONCURRENT_CLIENTS} concurrent clients: aggregate tokens/s (one request each, the prompts in turn)",
+            "",
+            "| system | tokens/s | x llama-server |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {name} | {rate:.2f} | {rate / peer:.2f} |" for name, rate in concurrent.items()]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -242,15 +301,40 @@ def run_llama_cpp(config: LlamaCppConfig) -> Path:
     for name, curve in curves.items():
         print(f"{name}: " + "  ".join(f"k={k} {ms:.1f}" for k, ms in curve.items()), flush=True)
     prompts = [p for p in load_prompts(QUICK_PROMPTS if config.quick else None) if p["category"] in CATEGORIES]
-    peers = {
-        "llama.cpp": llama(target_file, config.threads),
-        "llama.cpp prompt lookup": llama(target_file, config.threads, lookup=True),
-    }
-    rows = []
-    for draft in dict.fromkeys(d for d in (config.draft_model, "ngram", model_draft) if d):
-        rows += run_cluster_systems(config, draft, prompts, peers if not rows else {}, out)
+    draft_file = gguf_path(draft_base) if draft_base else None
+    with ExitStack() as servers:
+        serve = lambda name, **kw: servers.enter_context(  # noqa: E731
+            LlamaServer(target_file, config.threads, log=out / f"{name}.log", **kw)
+        )
+        single, parallel = serve("llama-server"), serve("llama-server-np", slots=CONCURRENT_CLIENTS)
+        llms = {
+            "llama.cpp": llama(target_file, config.threads),
+            "llama.cpp prompt lookup": llama(target_file, config.threads, lookup=True),
+        }
+        peers = {name: lambda p, llm=llm: llama_run(llm, p, config.max_new_tokens) for name, llm in llms.items()}
+        peers["llama-server"] = lambda p: llama_server_run(single, p, config.max_new_tokens)
+        if draft_file:
+            with_draft = serve("llama-server-md", draft=draft_file)
+            peers[f"llama-server -md {draft_base}"] = lambda p: llama_server_run(with_draft, p, config.max_new_tokens)
+        rows, concurrent = [], []
+        for draft in dict.fromkeys(d for d in (config.draft_model, "ngram", model_draft) if d):
+            first = not rows
+            single_rows, concurrent_part = run_cluster_systems(
+                config, draft, prompts, peers if first else {}, out, parallel if first else None
+            )
+            rows += single_rows
+            concurrent += concurrent_part
     table, identical, machine = summarise(rows), identical_to_target_only(rows), machine_description()
-    results = {"config": asdict(config), "machine": machine, "curves": curves, "rows": rows, "table": table}
+    table_concurrent = summarise_concurrent(concurrent)
+    results = {
+        "config": asdict(config),
+        "machine": machine,
+        "curves": curves,
+        "rows": rows,
+        "table": table,
+        "concurrent_rows": concurrent,
+        "concurrent": table_concurrent,
+    }
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "report.md").write_text(report(config, curves, table, identical, machine))
+    (out / "report.md").write_text(report(config, curves, table, identical, machine, table_concurrent))
     return out

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from bench.performance import passes
 from bench.runner import cost_curve, grpc_run, hf_run, load_prompts, machine_description, run_to_dict
-from common.cost_curve import CALIBRATION_CONTEXT
+from common.model_runner import CALIBRATION_CONTEXT
 from common.models import load_model, split_variant
 from common.packed_linear import can_pack, pack_linear_layers
 from coordinator.client import GenerationClient
@@ -185,15 +185,15 @@ def hf_phase(config: PairConfig, prompts: list[dict], progress: tqdm) -> dict:
     progress.write(f"pair: loaded in {load_seconds:.0f} s; cost curves before packing")
     context = curve_context(target, prompts[0])
     curves = {
-        "target before (eager)": curve_ms(cost_curve(target.model, context, CURVE_TOKENS)),
-        "draft before (eager, float32 base)": curve_ms(cost_curve(draft.model, context, CURVE_TOKENS)),
+        "target before (eager)": curve_ms(cost_curve(target.runner, context, CURVE_TOKENS)),
+        "draft before (eager, float32 base)": curve_ms(cost_curve(draft.runner, context, CURVE_TOKENS)),
     }
     progress.write("pair: HF generate and HF assisted")
     runs = hf_runs(config, target, draft, prompts, progress)
     if can_pack(target.model):
         progress.write("pair: packing the target's linear layers in place; its cost curve again")
         pack_linear_layers(target.model)
-        curves["target packed (in process)"] = curve_ms(cost_curve(target.model, context, CURVE_TOKENS))
+        curves["target packed (in process)"] = curve_ms(cost_curve(target.runner, context, CURVE_TOKENS))
     # The served curves were measured while both workers calibrated at once on shared cores; the draft as served,
     # measured here alone, is the honest cost of one drafted token.
     # HF's generate reads these too; kept so that a difference from our greedy outputs can be traced.
@@ -204,7 +204,7 @@ def hf_phase(config: PairConfig, prompts: list[dict], progress: tqdm) -> dict:
     del draft  # the float32 draft HF used: not held beside the one loaded next
     progress.write(f"pair: loading {config.draft_model} as the draft worker serves it; its cost curve")
     served_draft = load_model(config.draft_model, config.device)
-    curves["draft as served (in process)"] = curve_ms(cost_curve(served_draft.model, context, CURVE_TOKENS))
+    curves["draft as served (in process)"] = curve_ms(cost_curve(served_draft.runner, context, CURVE_TOKENS))
     return {
         "runs": runs,
         "curves": curves,

@@ -6,7 +6,7 @@ from bench.pair import ALL_SYSTEMS, CURVE_TOKENS, HF_ASSISTED, HF_GENERATE, SPEC
 from bench.performance_report import median_tps, paired_ratio
 from bench.report import figure, table
 from bench.runner import acceptance_by_position
-from common.cost_curve import CALIBRATION_CONTEXT
+from common.model_runner import CALIBRATION_CONTEXT
 
 AUTO = "specdec auto (gRPC)"
 MEMORY_LIMIT_GIB = 20

@@ -176,9 +176,9 @@ def hf_run(
     return Run(system, prompt["id"], prompt["category"], gamma, 0.0, len(new), seconds, new)
 
 
-def cost_curve(model, context: list[int], max_tokens: int = 9, repeats: int = 7) -> dict[int, float]:
+def cost_curve(runner, context: list[int], max_tokens: int = 9, repeats: int = 7) -> dict[int, float]:
     """Median seconds of one target forward pass over 1..max_tokens new tokens at the given context length."""
-    sequence = CachedSequence(model, context)
+    sequence = CachedSequence(runner, context)
     sequence.prefill()
     base = sequence.cache_len
     curve = {}
@@ -202,7 +202,7 @@ def draft_step_seconds(draft_loaded, context: list[int], ngram: tuple[int, int] 
             find_continuation(context, 1, *ngram)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
-    curve = cost_curve(draft_loaded.model, context, max_tokens=1, repeats=repeats)
+    curve = cost_curve(draft_loaded.runner, context, max_tokens=1, repeats=repeats)
     return curve[1]
 
 
@@ -261,7 +261,7 @@ async def measure(config: BenchConfig, progress: tqdm, client: GenerationClient)
             if repeat > 0:
                 runs.extend(done)
     context = chats[prompts[0]["id"]] + [1] * (config.max_new_tokens // 2)
-    curve = cost_curve(target.model, context)
+    curve = cost_curve(target.runner, context)
     draft_seconds = draft_step_seconds(draft, context, ngram)
     return {
         "runs": [run_to_dict(r) for r in runs],

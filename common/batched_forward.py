@@ -185,13 +185,8 @@ def forward_sessions(
     logits_to_keep[i] rows of logits [k_i, V], on the model's device and in its dtype: a greedy verdict needs only
     their argmax, so the rows (151,936 entries each for Qwen) are copied to CPU float32 only where sampling needs
     them (as_sampling_input)."""
-    sessions_forward = getattr(model, "sessions_forward", None)  # a pass of the model's own (the gguf engine's)
-    if sessions_forward is not None:
-        return sessions_forward(caches, token_ids, logits_to_keep)
     if model.config._attn_implementation != ATTENTION:
         use_ragged_attention(model)
-    if len(caches) > 1 and not getattr(model, "batch_invariant", True):
-        return [forward_sessions(model, [c], [ids], [k])[0] for c, ids, k in zip(caches, token_ids, logits_to_keep, strict=True)]
     device = next(model.parameters()).device
     lengths = [len(ids) for ids in token_ids]
     input_ids = torch.tensor([[t for ids in token_ids for t in ids]], dtype=torch.long, device=device)

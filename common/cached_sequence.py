@@ -9,14 +9,15 @@ import time
 
 import torch
 
-from common.batched_forward import as_sampling_input, forward_sessions, session_cache
+from common.batched_forward import as_sampling_input
+from common.model_runner import ModelRunner
 
 
 class CachedSequence:
-    def __init__(self, model: torch.nn.Module, prompt: list[int]):
-        self.model = model
+    def __init__(self, runner: ModelRunner, prompt: list[int]):
+        self.runner = runner
         self.tokens = list(prompt)  # committed tokens: prompt + accepted output
-        self.cache = session_cache(model.config.get_text_config().num_hidden_layers)
+        self.cache = runner.new_cache()
 
     @property
     def cache_len(self) -> int:
@@ -38,15 +39,12 @@ class CachedSequence:
 
     def rollback(self, keep: int) -> int:
         """Crops the cache to its first keep tokens; returns how many tokens were removed."""
-        removed = self.cache_len - keep
-        if removed > 0:
-            self.cache.crop(-removed)
-        return max(removed, 0)
+        return self.runner.rollback(self.cache, keep)
 
 
 def forward_batch(sequences: list[CachedSequence], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
     """One forward pass for several sequences of one model, each fed its own tokens at its own position."""
-    return forward_sessions(sequences[0].model, [s.cache for s in sequences], token_ids, logits_to_keep)
+    return sequences[0].runner.forward([s.cache for s in sequences], token_ids, logits_to_keep)
 
 
 def elapsed_us(start: float) -> int:

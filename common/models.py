@@ -20,6 +20,7 @@ On a CPU, float32 models run their linear layers on weights reordered once for o
 unless linear="eager" is asked for.
 """
 
+import functools
 import importlib.util
 import logging
 import math
@@ -27,13 +28,18 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.errors import InvalidArgument
+from common.memory import check_fits
 from common.model_files import CHUNKED_MODELS, assembled_gguf
 from common.packed_linear import can_pack, pack_linear_layers
 from common.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from common.model_runner import ModelRunner
 
 log = logging.getLogger("specdec")
 
@@ -56,13 +62,15 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     engine: str = "torch"  # or "gguf": see resolve_engine
+    # False where a session's logits depend on its batch-mates (#int8's per-tensor activation scales).
+    batch_invariant: bool = True
 
-    @property
-    def fixed_kernels(self) -> bool:
-        """Whether every row count runs the same kernels (the gguf engine: rows share only the loading of the
-        weights, each adds its own products). A pass over more rows then never costs less, and a new row count
-        needs no warm-up (measure_forward_costs)."""
-        return self.engine == "gguf"
+    @functools.cached_property
+    def runner(self) -> "ModelRunner":
+        """How the model's passes run (common.model_runner); made at first use, after any variant has changed it."""
+        from common.model_runner import runner_for
+
+        return runner_for(self.model, self.engine, self.batch_invariant)
 
 
 def parse_spec_params(spec: str, prefix: str, defaults: dict[str, float]) -> dict[str, float]:
@@ -295,8 +303,8 @@ def quantize_int8(loaded: LoadedModel) -> LoadedModel:
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.ao.quantization.quantize_dynamic(loaded.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
     # Activations are quantized with one scale per tensor: in a batched pass one session's scale would depend on
-    # the others' activations, so each session gets its own pass (see common.batched_forward).
-    loaded.model.batch_invariant = False
+    # the others' activations, so each session gets its own pass (see common.model_runner).
+    loaded.batch_invariant = False
     return loaded
 
 
@@ -436,6 +444,8 @@ def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto", quantized
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source, kwargs = hf_source(spec)
+    if "gguf_file" in kwargs:
+        check_dequantised_fits(os.path.join(source, kwargs["gguf_file"]), torch_dtype)
     model = (
         AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs).to(torch_device).eval().requires_grad_(False)
     )
@@ -445,6 +455,17 @@ def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto", quantized
     config = model.config.get_text_config()
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
     return LoadedModel(spec, model, tokenizer, int(config.vocab_size), max_context, torch_device, torch_dtype)
+
+
+def check_dequantised_fits(path: str, dtype: torch.dtype) -> None:
+    """Refuses a GGUF file whose weights, de-quantised to dtype (the torch engine), exceed the memory left."""
+    from common.quantized.gguf_file import GGUFFormatError, read_tensors
+
+    try:
+        elements = sum(math.prod(t.shape) for t in read_tensors(path).values())
+    except (GGUFFormatError, OSError) as error:
+        raise InvalidArgument("model", f"{path}: not a readable GGUF file ({error})") from None
+    check_fits(path, elements * dtype.itemsize, f"its weights de-quantised to {str(dtype).removeprefix('torch.')}")
 
 
 def load_quantized(spec: str) -> LoadedModel:

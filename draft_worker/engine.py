@@ -11,11 +11,11 @@ import torch
 
 from opentelemetry.context import Context
 
-from common.batched_forward import as_sampling_input, use_ragged_attention
+from common.batched_forward import as_sampling_input
 from common.batcher import run_alone
 from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
 from common.config import DraftWorkerConfig
-from common.cost_curve import measure_forward_costs
+from common.model_runner import ModelRunner
 from common.errors import FailedPrecondition, InvalidArgument
 from common.models import LoadedModel
 from common.rounds import Proposal
@@ -45,8 +45,8 @@ class ModelDraftSession:
     logits and samples.
     """
 
-    def __init__(self, model: torch.nn.Module, prompt: list[int], params: SamplingParams, max_q_entries: int):
-        self.sequence = CachedSequence(model, prompt)
+    def __init__(self, runner: ModelRunner, prompt: list[int], params: SamplingParams, max_q_entries: int):
+        self.sequence = CachedSequence(runner, prompt)
         self.params = params
         self.generator = make_generator(params.seed, "draft")
         self.max_q_entries = max_q_entries
@@ -172,13 +172,7 @@ class DraftEngine:
         calibrate: bool = True,
     ):
         self.loaded = loaded
-        if loaded:
-            use_ragged_attention(loaded.model)
-        self.forward_costs = (
-            measure_forward_costs(loaded.model, loaded.vocab_size, fixed_kernels=loaded.fixed_kernels)
-            if loaded and calibrate
-            else []
-        )
+        self.forward_costs = loaded.runner.cost_curve(loaded.vocab_size) if loaded and calibrate else []
         self.name = name
         self.ngram = ngram
         self.default_max_q_entries = default_max_q_entries
@@ -208,7 +202,7 @@ class DraftEngine:
         start = time.perf_counter()
         try:
             if self.loaded:
-                state = ModelDraftSession(self.loaded.model, prompt, params, max_q_entries or self.default_max_q_entries)
+                state = ModelDraftSession(self.loaded.runner, prompt, params, max_q_entries or self.default_max_q_entries)
             else:
                 state = NgramDraftSession(prompt, *self.ngram)
             with tracer().start_as_current_span(

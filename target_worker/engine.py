@@ -12,11 +12,11 @@ import torch
 
 from opentelemetry.context import Context
 
-from common.batched_forward import as_sampling_input, use_ragged_attention
+from common.batched_forward import as_sampling_input
 from common.batcher import run_alone
 from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
 from common.config import WorkerConfig
-from common.cost_curve import cheapest_rows, measure_forward_costs
+from common.cost_curve import cheapest_rows
 from common.errors import FailedPrecondition, InvalidArgument
 from common.models import LoadedModel
 from common.rounds import Verdict
@@ -81,13 +81,10 @@ class SessionOpened:
 
 class TargetEngine:
     def __init__(self, loaded: LoadedModel, max_sessions: int = WorkerConfig.max_sessions, calibrate: bool = True):
-        self.loaded = loaded
-        use_ragged_attention(loaded.model)
+        self.loaded, self.runner = loaded, loaded.runner
         self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions)
         self.metrics = WorkerMetrics("target", self.sessions)
-        self.forward_costs = (
-            measure_forward_costs(loaded.model, loaded.vocab_size, fixed_kernels=loaded.fixed_kernels) if calibrate else []
-        )
+        self.forward_costs = self.runner.cost_curve(loaded.vocab_size) if calibrate else []
 
     def begin_session(self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0) -> TargetSession:
         """Checks the opening and reserves the session; its prompt is prefilled by a PrefillCall in a batch."""
@@ -96,7 +93,7 @@ class TargetEngine:
         if num_p_entries < 0:
             raise InvalidArgument("start.num_p_entries", f"must be >= 0, got {num_p_entries}")
         session_id = self.sessions.reserve()
-        sequence = CachedSequence(self.loaded.model, prompt)
+        sequence = CachedSequence(self.runner, prompt)
         return TargetSession(session_id, sequence, params, make_generator(params.seed, "target"), num_p_entries)
 
     def abandon(self, session: TargetSession) -> None:
@@ -161,7 +158,7 @@ class TargetEngine:
         if padding and fed:
             # More rows are cheaper than these on this device: pad with a throwaway sequence of its own.
             # Its logits are computed too: the curve was measured with logits for every token.
-            pad = CachedSequence(self.loaded.model, [])
+            pad = CachedSequence(self.runner, [])
             sequences, feeds, keep = [*sequences, pad], [*feeds, [0] * padding], [*keep, padding]
         try:
             logits = forward_batch(sequences, feeds, keep) if fed else []
@@ -210,7 +207,7 @@ class TargetEngine:
         )
 
     def padding(self, tokens: int) -> int:
-        if not getattr(self.loaded.model, "batch_invariant", True):
+        if not self.runner.batch_invariant:
             return 0  # its sessions run one pass each: padding would be a pass of its own
         return cheapest_rows(self.forward_costs, tokens) - tokens
 

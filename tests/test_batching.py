@@ -109,12 +109,14 @@ def test_concurrent_requests_share_forward_passes_and_match_their_solo_output(ta
 
 def test_an_int8_model_runs_its_sessions_one_pass_each_so_that_batching_cannot_change_them():
     """Dynamic int8 quantization scales activations per tensor: batched, one session would see the others' scale."""
-    model = load_model("tiny-random:seed=0,vocab=256,layers=2,hidden=64#int8").model
-    layers = model.config.num_hidden_layers
-    alone, batched = [session_cache(layers) for _ in PROMPTS], [session_cache(layers) for _ in PROMPTS]
-    expected = [forward_sessions(model, [c], [p], [1])[0] for c, p in zip(alone, PROMPTS, strict=True)]
-    got = forward_sessions(model, batched, PROMPTS, [1] * len(PROMPTS))
+    runner = load_model("tiny-random:seed=0,vocab=256,layers=2,hidden=64#int8").runner
+    alone, batched = [runner.new_cache() for _ in PROMPTS], [runner.new_cache() for _ in PROMPTS]
+    expected = [runner.forward([c], [p], [1])[0] for c, p in zip(alone, PROMPTS, strict=True)]
+    got = runner.forward(batched, PROMPTS, [1] * len(PROMPTS))
     assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
+    # The test can fail: the same sessions in one pass of the int8 model are scored differently.
+    together = forward_sessions(runner.model, [runner.new_cache() for _ in PROMPTS], PROMPTS, [1] * len(PROMPTS))
+    assert not all(torch.equal(e, g) for e, g in zip(expected, together, strict=True))
 
 
 def test_a_verification_padded_to_a_cheaper_row_count_gives_the_same_verdict(target_model):

@@ -58,3 +58,23 @@ def test_quick_performance_bench_reports_schedules_concurrency_and_overlap(tmp_p
     overlap = analysis["overlap"]["overlap"]
     assert set(overlap) == {"fixed + overlap 2", "auto + overlap"}
     assert 0 <= overlap["fixed + overlap 2"]["hidden_draft_share"] <= 1
+
+
+def test_the_llama_cpp_report_rates_against_the_best_llama_cpp_configuration_and_the_parallel_server():
+    """The llama-cpp suite needs llama-cpp-python (an sdist build CI does not run); its tables are checked here on
+    rows of the shape it records."""
+    from bench.llama_cpp import CONCURRENT_CLIENTS, LlamaCppConfig, report, summarise, summarise_concurrent
+
+    def row(system, seconds, repeat=1, category="code"):
+        return {"system": system, "category": category, "repeat": repeat, "tokens": 48, "seconds": seconds}
+
+    rows = [row("specdec auto (ngram)", 4.0), row("llama.cpp", 6.0), row("llama-server", 3.0), row("llama.cpp", 1.0, repeat=0)]
+    waves = [
+        {"system": "specdec auto (ngram)", "repeat": 1, "tokens": 384, "seconds": 12.0},
+        {"system": f"llama-server -np {CONCURRENT_CLIENTS}", "repeat": 1, "tokens": 384, "seconds": 16.0},
+        {"system": "specdec auto (ngram)", "repeat": 0, "tokens": 384, "seconds": 99.0},  # warm-up: not counted
+    ]
+    text = report(LlamaCppConfig(name="t"), {}, summarise(rows), {}, {}, summarise_concurrent(waves))
+    assert "| specdec auto (ngram) | 12.00 | 0.75 |" in text  # against llama-server, the best at 16 tok/s
+    assert f"## {CONCURRENT_CLIENTS} concurrent clients" in text
+    assert "| specdec auto (ngram) | 32.00 | 1.33 |" in text

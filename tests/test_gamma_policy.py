@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from common.cost_curve import CALIBRATION_TOKENS, cheapest_rows, cost_at, measure_forward_costs, nondecreasing
+from common.cost_curve import cheapest_rows, cost_at, nondecreasing
+from common.model_runner import CALIBRATION_TOKENS, TorchRunner
 from common.sampling import SamplingParams
 from coordinator.config import CoordinatorConfig
 from coordinator.round import DraftSync
@@ -48,7 +49,9 @@ def test_a_curve_that_cannot_fall_is_smoothed_instead_of_padded_for():
 
 
 def test_a_fixed_kernel_models_measured_curve_never_falls(target_model):
-    curve = measure_forward_costs(target_model.model, target_model.vocab_size, repeats=1, fixed_kernels=True)
+    runner = TorchRunner(target_model.model)
+    runner.fixed_kernels = True  # as the gguf engine's runner
+    curve = runner.cost_curve(target_model.vocab_size, repeats=1)
     assert [t for t, _ in curve] == CALIBRATION_TOKENS
     assert all(a <= b for (_, a), (_, b) in zip(curve, curve[1:], strict=False)) and curve[0][1] > 0
 

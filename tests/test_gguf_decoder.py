@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-from common.batched_forward import forward_sessions, session_cache
+from common.batched_forward import forward_sessions
 from common.models import load_model
 from common.quantized.kernels import kernels
 
@@ -70,23 +70,21 @@ def test_the_pass_scores_as_transformers_forward_on_the_same_blocks():
     correct passes differ by about as much as each differs from the float32 model: the check is that ours is no
     farther from the de-quantised float32 model than transformers' forward over the same blocks, and picks the
     same tokens as often."""
-    quantized = load_model(SMOLLM2, engine="gguf").model
+    quantized = load_model(SMOLLM2, engine="gguf")
     prompt = list(range(400, 460))
 
-    def logits(model):
-        cache = session_cache(len(model.get_decoder().layers))
-        prefill = forward_sessions(model, [cache], [prompt[:40]], [40])[0]
-        steps = [forward_sessions(model, [cache], [[t]], [1])[0] for t in prompt[40:]]
+    def logits(forward, new_cache):
+        cache = new_cache()
+        prefill = forward([cache], [prompt[:40]], [40])[0]
+        steps = [forward([cache], [[t]], [1])[0] for t in prompt[40:]]
         return torch.cat([prefill, *steps]).float()
 
-    ours = logits(quantized)
-    lean = quantized.sessions_forward
-    quantized.sessions_forward = None  # transformers' forward over the same layers
-    try:
-        theirs = logits(quantized)
-    finally:
-        quantized.sessions_forward = lean
-    reference = logits(load_model(SMOLLM2, engine="torch").model)
+    def transformers_logits(loaded):  # transformers' forward over the model's layers
+        return logits(lambda *a: forward_sessions(loaded.model, *a), loaded.runner.new_cache)
+
+    ours = logits(quantized.runner.forward, quantized.runner.new_cache)
+    theirs = transformers_logits(quantized)
+    reference = transformers_logits(load_model(SMOLLM2, engine="torch"))
     distance = lambda a: (a - reference).abs().amax(-1).median()  # noqa: E731
     agreement = lambda a: (a.argmax(-1) == reference.argmax(-1)).float().mean()  # noqa: E731
     assert not torch.equal(ours, theirs)  # the test can fail: these are two different computations

@@ -4,14 +4,16 @@ exact distribution by chi-square)."""
 
 import asyncio
 import functools
+import os
+import re
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from common.batched_forward import forward_sessions, session_cache
-from common.errors import InvalidArgument
+from common import memory
+from common.errors import InvalidArgument, ResourceExhausted
 from common.models import gguf_path, load_model, resolve_engine
 from common.quantized import formats
 from common.quantized.gguf_file import read_tensors
@@ -148,23 +150,23 @@ def smollm2():
     return load_model(SMOLLM2, engine="gguf")
 
 
-def prefilled(model, prompt):
-    cache = session_cache(len(model.get_decoder().layers))
-    forward_sessions(model, [cache], [prompt], [1])
+def prefilled(runner, prompt):
+    cache = runner.new_cache()
+    runner.forward([cache], [prompt], [1])
     return cache
 
 
 def test_a_sessions_logits_are_bit_identical_alone_in_any_pass_and_in_any_batch(smollm2):
-    model = smollm2.model
+    runner = smollm2.runner
     prompt, feed = list(range(300, 340)), list(range(500, 516))
-    cache = prefilled(model, prompt)
-    steps = torch.stack([forward_sessions(model, [cache], [[t]], [1])[0][0] for t in feed])
+    cache = prefilled(runner, prompt)
+    steps = torch.stack([runner.forward([cache], [[t]], [1])[0][0] for t in feed])
     for k in range(2, 17):
-        cache = prefilled(model, prompt)
-        assert torch.equal(forward_sessions(model, [cache], [feed[:k]], [k])[0], steps[:k]), f"a pass of {k} tokens"
-    others = [prefilled(model, list(range(10 + 3 * j, 30 + 7 * j))) for j in range(3)]
-    cache = prefilled(model, prompt)
-    batch = forward_sessions(model, [others[0], cache, others[1], others[2]], [[1, 2], feed[:5], [5], [7] * 12], [2, 5, 1, 12])
+        cache = prefilled(runner, prompt)
+        assert torch.equal(runner.forward([cache], [feed[:k]], [k])[0], steps[:k]), f"a pass of {k} tokens"
+    others = [prefilled(runner, list(range(10 + 3 * j, 30 + 7 * j))) for j in range(3)]
+    cache = prefilled(runner, prompt)
+    batch = runner.forward([others[0], cache, others[1], others[2]], [[1, 2], feed[:5], [5], [7] * 12], [2, 5, 1, 12])
     assert torch.equal(batch[1], steps[:5])
 
 
@@ -194,15 +196,15 @@ DIST_SAMPLES = 600
 def exact_two_token_distribution(loaded, params: SamplingParams) -> dict[tuple[int, ...], float]:
     """P(first two tokens), scored the way the worker scores them: the prompt prefilled, then one token a step (a
     verification's rows are bit-identical to those, as tested above)."""
-    model = loaded.model
+    runner = loaded.runner
     first = logits_to_probs(
-        forward_sessions(model, [prefilled(model, DIST_PROMPT[:-1])], [[DIST_PROMPT[-1]]], [1])[0].float(), params
+        runner.forward([prefilled(runner, DIST_PROMPT[:-1])], [[DIST_PROMPT[-1]]], [1])[0].float(), params
     )[0]
     out = {}
     for a in torch.nonzero(first).flatten().tolist():
-        cache = prefilled(model, DIST_PROMPT[:-1])
-        forward_sessions(model, [cache], [[DIST_PROMPT[-1]]], [1])
-        second = logits_to_probs(forward_sessions(model, [cache], [[a]], [1])[0].float(), params)[0]
+        cache = prefilled(runner, DIST_PROMPT[:-1])
+        runner.forward([cache], [[DIST_PROMPT[-1]]], [1])
+        second = logits_to_probs(runner.forward([cache], [[a]], [1])[0].float(), params)[0]
         for b in torch.nonzero(second).flatten().tolist():
             out[(a, b)] = float(first[a] * second[b])
     return out
@@ -220,3 +222,19 @@ def test_speculative_samples_on_the_gguf_engine_follow_the_exact_target_distribu
     # its top-k support, or the counts do not fit it).
     wrong = exact_two_token_distribution(draft, params)
     assert any(s not in wrong for s in samples) or chi_square_p_value(samples, wrong) < 1e-6
+
+
+@pytest.mark.parametrize("engine", ["gguf", "torch"])
+def test_a_model_larger_than_the_memory_left_is_refused_at_load_naming_the_file(monkeypatch, engine):
+    monkeypatch.setattr(memory, "available_bytes", lambda: 16 << 20)  # 16 MiB left
+    with pytest.raises(ResourceExhausted, match=re.escape(os.path.basename(gguf_path(SMOLLM2))) + ".* GiB"):
+        load_model(SMOLLM2, engine=engine)
+
+
+def test_the_memory_left_is_the_least_of_the_machines_and_the_cgroups(monkeypatch, tmp_path):
+    (tmp_path / "memory.max").write_text("1000000\n")
+    (tmp_path / "memory.current").write_text("400000\n")
+    monkeypatch.setattr(memory, "CGROUP", tmp_path)
+    assert memory.available_bytes() == 600000
+    (tmp_path / "memory.max").write_text("max\n")  # no limit: the machine's MemAvailable
+    assert memory.available_bytes() > 600000

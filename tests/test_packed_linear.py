@@ -110,6 +110,6 @@ def test_a_vocab_restricted_draft_puts_all_its_probability_on_the_kept_tokens():
 def test_variants_chain_left_to_right():
     loaded = load_model(TINY + "#vocab=64#int8")
     assert isinstance(loaded.model.get_output_embeddings(), RestrictedHead)
-    assert loaded.model.batch_invariant is False  # int8: one pass per session
+    assert loaded.batch_invariant is False and loaded.runner.batch_invariant is False  # int8: one pass per session
     with pytest.raises(InvalidArgument, match="vocab"):
         load_model(TINY + "#vocab=0")

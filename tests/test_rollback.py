@@ -5,7 +5,6 @@ import contextlib
 
 import torch
 
-from common.batched_forward import clone_cache
 from common.cached_sequence import CachedSequence
 from common.sampling import SamplingParams, logits_to_probs, truncate_probs
 from draft_worker.engine import DraftEngine
@@ -14,8 +13,8 @@ from target_worker.engine import TargetEngine
 PROMPT = [5, 17, 42, 99, 7, 63]
 
 
-def fresh_next_logits(model, tokens: list[int]) -> torch.Tensor:
-    sequence = CachedSequence(model, tokens)
+def fresh_next_logits(loaded, tokens: list[int]) -> torch.Tensor:
+    sequence = CachedSequence(loaded.runner, tokens)
     sequence.prefill()
     return sequence.forward(sequence.pending(), 1)[-1]
 
@@ -34,19 +33,19 @@ def test_target_cache_after_rejection_equals_fresh_prefill(target_model):
     engine = TargetEngine(target_model)
     session, _ = engine.open_session(PROMPT, SamplingParams(temperature=0))
     sequence = session.sequence
-    expected_first = int(fresh_next_logits(target_model.model, PROMPT).argmax())
+    expected_first = int(fresh_next_logits(target_model, PROMPT).argmax())
     wrong = (expected_first + 1) % 256
     verdict = engine.verify(session, [wrong, 3, 4, 5], [truncate_probs(torch.eye(256)[t], 1) for t in (wrong, 3, 4, 5)])
     assert (verdict.num_accepted, verdict.next_token, verdict.rollback) == (0, expected_first, 4)
     assert sequence.tokens == PROMPT + [expected_first]
     assert sequence.cache_len == len(PROMPT) and sequence.cache.get_seq_length() == len(PROMPT)
     logits = sequence.forward(sequence.pending(), 1)[-1]
-    assert torch.allclose(logits, fresh_next_logits(target_model.model, sequence.tokens), atol=1e-5)
+    assert torch.allclose(logits, fresh_next_logits(target_model, sequence.tokens), atol=1e-5)
 
 
 def test_target_rollback_of_a_partial_acceptance_keeps_the_accepted_prefix(target_model):
     engine = TargetEngine(target_model)
-    reference = CachedSequence(target_model.model, PROMPT)
+    reference = CachedSequence(target_model.runner, PROMPT)
     reference.prefill()
     greedy = []
     feed = reference.pending()
@@ -61,7 +60,7 @@ def test_target_rollback_of_a_partial_acceptance_keeps_the_accepted_prefix(targe
     assert sequence.tokens == PROMPT + greedy + [verdict.next_token]
     assert sequence.cache.get_seq_length() == len(PROMPT) + 2
     logits = sequence.forward(sequence.pending(), 1)[-1]
-    assert torch.allclose(logits, fresh_next_logits(target_model.model, sequence.tokens), atol=1e-5)
+    assert torch.allclose(logits, fresh_next_logits(target_model, sequence.tokens), atol=1e-5)
 
 
 def test_draft_cache_after_rejection_equals_fresh_prefill(draft_models):
@@ -78,7 +77,7 @@ def test_draft_cache_after_rejection_equals_fresh_prefill(draft_models):
     committed = PROMPT + proposal.token_ids[:2] + [11]
     assert handle.state.sequence.cache.get_seq_length() == len(committed) - 1
     next_q = engine.step(handle, 0, [], 1).distributions[0]
-    expected = truncate_probs(logits_to_probs(fresh_next_logits(loaded.model, committed), params), 256)
+    expected = truncate_probs(logits_to_probs(fresh_next_logits(loaded, committed), params), 256)
     assert next_q.token_ids.tolist() == expected.token_ids.tolist()
     assert torch.allclose(next_q.probs, expected.probs, atol=1e-5)
 
@@ -95,7 +94,7 @@ def test_draft_keeps_its_cache_when_every_token_is_accepted(draft_models):
 
 
 def test_rollback_is_a_crop_not_a_re_forward(target_model):
-    sequence = CachedSequence(target_model.model, PROMPT)
+    sequence = CachedSequence(target_model.runner, PROMPT)
     sequence.prefill()
     sequence.forward(sequence.pending() + [1, 2, 3, 4], 5)
     with counting_forwards(target_model.model) as forwards:
@@ -104,13 +103,13 @@ def test_rollback_is_a_crop_not_a_re_forward(target_model):
 
 
 def test_a_cloned_cache_scores_as_its_source_and_moves_on_its_own(target_model):
-    model = target_model.model
-    source = CachedSequence(model, PROMPT)
+    runner = target_model.runner
+    source = CachedSequence(runner, PROMPT)
     source.prefill()
-    copy = CachedSequence(model, PROMPT)
-    copy.cache = clone_cache(source.cache)
+    copy = CachedSequence(runner, PROMPT)
+    copy.cache = runner.copy_cache(source.cache)
     assert copy.cache_len == source.cache_len == len(PROMPT) - 1
     assert torch.equal(copy.forward([PROMPT[-1]], 1), source.forward([PROMPT[-1]], 1))
     copy.forward([1, 2, 3], 1)  # the copy moves on; its source does not see it
     assert (copy.cache_len, source.cache_len) == (len(PROMPT) + 3, len(PROMPT))
-    assert torch.allclose(source.forward([9], 1)[0], fresh_next_logits(model, PROMPT + [9]), atol=1e-5)
+    assert torch.allclose(source.forward([9], 1)[0], fresh_next_logits(target_model, PROMPT + [9]), atol=1e-5)

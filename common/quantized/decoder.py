@@ -26,7 +26,7 @@ class DecoderLayer:
 
 
 class QuantizedDecoder:
-    """forward_sessions for a model built by common.quantized.loader (it sets model.sessions_forward)."""
+    """The pass of common.model_runner.GgufRunner, over a model built by common.quantized.loader."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

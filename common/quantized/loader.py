@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from common.errors import InvalidArgument
+from common.memory import check_fits
 from common.quantized.formats import FLOAT_FORMATS, UnsupportedFormat, pack
-from common.quantized.decoder import QuantizedDecoder
 from common.quantized.gguf_file import GGUFFormatError, read_tensors
 from common.quantized.layers import QuantizedEmbedding, QuantizedLinear
 
@@ -100,6 +100,7 @@ def build_quantized_model(path: str, config) -> torch.nn.Module:
         )
     started = time.monotonic()
     tensors = GGUFTensors(path)
+    check_fits(path, sum(t.data.nbytes for t in tensors.tensors.values()), "the gguf engine's blocks of its tensors")
     # Quantized activations amplify float rounding: attention must score each verified token exactly as a one-token
     # step would (common.batched_forward.attend_rows).
     config.row_exact_attention = True
@@ -129,8 +130,6 @@ def build_quantized_model(path: str, config) -> torch.nn.Module:
     if left:
         raise InvalidArgument("model", f"{path}: no GGUF tensor for {', '.join(left[:5])}")
     model.eval().requires_grad_(False)
-    # forward_sessions runs the lean decoder; transformers' forward (over the same layers) stays for generate().
-    model.sessions_forward = QuantizedDecoder(model)
     size = sum(t.numel() * t.element_size() for t in model.buffers()) / 2**30
     log.info("gguf engine: %s on its own blocks in %.1f s (%.2f GiB)", os.path.basename(path), time.monotonic() - started, size)
     return model
