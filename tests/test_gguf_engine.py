@@ -197,9 +197,7 @@ def exact_two_token_distribution(loaded, params: SamplingParams) -> dict[tuple[i
     """P(first two tokens), scored the way the worker scores them: the prompt prefilled, then one token a step (a
     verification's rows are bit-identical to those, as tested above)."""
     runner = loaded.runner
-    first = logits_to_probs(
-        runner.forward([prefilled(runner, DIST_PROMPT[:-1])], [[DIST_PROMPT[-1]]], [1])[0].float(), params
-    )[0]
+    first = logits_to_probs(runner.forward([prefilled(runner, DIST_PROMPT[:-1])], [[DIST_PROMPT[-1]]], [1])[0].float(), params)[0]
     out = {}
     for a in torch.nonzero(first).flatten().tolist():
         cache = prefilled(runner, DIST_PROMPT[:-1])
