@@ -45,6 +45,7 @@ struct Q4KSum {
 template <int R>
 void q4k_rows(const Q4K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const Q4K w = weights.row(n);
+    prefetch(w.codes + kPrefetchAhead * (w.k / 2), w.k / 2);
     const int64_t superblocks = w.k / 256;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const RowTile<R> x(a, rows);
@@ -101,6 +102,8 @@ inline __m256 q6k_add(__m256 acc, __m256i isum, float d_scale) {
 template <int R>
 void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const Q6K w = weights.row(n);
+    prefetch(w.ql + kPrefetchAhead * (w.k / 2), w.k / 2);
+    prefetch(w.qh + kPrefetchAhead * (w.k / 4), w.k / 4);
     const int64_t superblocks = w.k / 256;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i high = _mm256_set1_epi8(0x30);
@@ -155,6 +158,7 @@ template <int R>
 void q41_rows(const Q41& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const int64_t groups = w.k / 32;
     const uint8_t* codes = w.codes + n * (w.k / 2);
+    prefetch(codes + kPrefetchAhead * (w.k / 2), w.k / 2);
     const float* d = w.d + n * groups;
     const float* m = w.m + n * groups;
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -185,6 +189,7 @@ template <int R>
 void q80_rows(const Q80& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const int64_t groups = w.k / 32;
     const int8_t* codes = w.codes + n * w.k;
+    prefetch(codes + kPrefetchAhead * w.k, w.k);
     const float* d = w.d + n * groups;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
