@@ -140,6 +140,7 @@ def interleaved_curves(systems: dict, repeats: int = 5) -> dict[str, dict]:
 
 
 def llama_run(llm, prompt: dict, max_new_tokens: int) -> dict:
+    """One greedy request to llama.cpp: llama-cpp-python's Llama in this process, or a LlamaServer (same call)."""
     start = time.perf_counter()
     response = llm.create_chat_completion(
         messages=[{"role": "user", "content": prompt["prompt"]}], max_tokens=max_new_tokens, temperature=0.0
@@ -148,16 +149,6 @@ def llama_run(llm, prompt: dict, max_new_tokens: int) -> dict:
     return {
         "tokens": response["usage"]["completion_tokens"],
         "seconds": seconds,
-        "text": response["choices"][0]["message"]["content"],
-    }
-
-
-def llama_server_run(server: LlamaServer, prompt: dict, max_new_tokens: int) -> dict:
-    start = time.perf_counter()
-    response = server.chat(prompt["prompt"], max_new_tokens)
-    return {
-        "tokens": response["usage"]["completion_tokens"],
-        "seconds": time.perf_counter() - start,
         "text": response["choices"][0]["message"]["content"],
     }
 
@@ -199,7 +190,7 @@ def run_cluster_systems(
             if parallel_peer is not None:
                 systems = {
                     f"specdec auto ({draft})": lambda p: specdec_run(client, p, config.max_new_tokens, -1),
-                    f"llama-server -np {CONCURRENT_CLIENTS}": lambda p: llama_server_run(parallel_peer, p, config.max_new_tokens),
+                    f"llama-server -np {CONCURRENT_CLIENTS}": lambda p: llama_run(parallel_peer, p, config.max_new_tokens),
                 }
                 concurrent = concurrent_rows(systems, prompts, config.repeats)
     finally:
@@ -312,10 +303,10 @@ def run_llama_cpp(config: LlamaCppConfig) -> Path:
             "llama.cpp prompt lookup": llama(target_file, config.threads, lookup=True),
         }
         peers = {name: lambda p, llm=llm: llama_run(llm, p, config.max_new_tokens) for name, llm in llms.items()}
-        peers["llama-server"] = lambda p: llama_server_run(single, p, config.max_new_tokens)
+        peers["llama-server"] = lambda p: llama_run(single, p, config.max_new_tokens)
         if draft_file:
             with_draft = serve("llama-server-md", draft=draft_file)
-            peers[f"llama-server -md {draft_base}"] = lambda p: llama_server_run(with_draft, p, config.max_new_tokens)
+            peers[f"llama-server -md {draft_base}"] = lambda p: llama_run(with_draft, p, config.max_new_tokens)
         rows, concurrent = [], []
         for draft in dict.fromkeys(d for d in (config.draft_model, "ngram", model_draft) if d):
             first = not rows

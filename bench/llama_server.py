@@ -113,15 +113,11 @@ class LlamaServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def chat(self, content: str, max_tokens: int) -> dict:
-        """A greedy chat completion of one user message (OpenAI's response object, with llama-server's timings).
-        cache_prompt false: the prompt is prefilled afresh even where a slot still holds it from a repeat."""
-        body = {
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "cache_prompt": False,
-        }
+    def create_chat_completion(self, messages: list[dict], max_tokens: int, temperature: float = 0.0) -> dict:
+        """A chat completion (OpenAI's response object, with llama-server's timings), called as llama-cpp-python's
+        Llama.create_chat_completion is, so that one bench function serves both. cache_prompt false: the prompt is
+        prefilled afresh even where a slot still holds it from a repeat."""
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "cache_prompt": False}
         request = urllib.request.Request(
             self.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )

@@ -37,6 +37,9 @@ class ModelRunner(ABC):
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        # Every forward of transformers' over the model (a torch pass, or generate on the gguf engine's layers)
+        # goes through the ragged attention.
+        use_ragged_attention(model)
 
     def new_cache(self) -> Cache:
         """An empty cache for one session."""
@@ -103,7 +106,6 @@ class TorchRunner(ModelRunner):
 
     def __init__(self, model: torch.nn.Module, batch_invariant: bool = True):
         super().__init__(model)
-        use_ragged_attention(model)
         self.batch_invariant = batch_invariant
 
     def forward(self, caches: list[Cache], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
@@ -126,7 +128,6 @@ class GgufRunner(ModelRunner):
         from common.quantized.decoder import QuantizedDecoder
 
         super().__init__(model)
-        use_ragged_attention(model)  # for transformers' own forward over the same layers (generate)
         self.decoder = QuantizedDecoder(model)
 
     def forward(self, caches: list[Cache], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:

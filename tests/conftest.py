@@ -24,6 +24,13 @@ from target_worker.server import start_target_server
 TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
 
 
+def prefilled(runner, prompt: list[int]):
+    """A new cache of the runner's holding the prompt."""
+    cache = runner.new_cache()
+    runner.forward([cache], [prompt], [1])
+    return cache
+
+
 def draft_spec(noise: float) -> str:
     return f"{TARGET},noise={noise}"
 

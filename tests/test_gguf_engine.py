@@ -23,7 +23,7 @@ from common.sampling import SamplingParams, logits_to_probs
 from draft_worker.engine import DraftEngine
 from draft_worker.ngram import parse_ngram
 from target_worker.engine import TargetEngine
-from tests.conftest import running_services
+from tests.conftest import prefilled, running_services
 from tests.test_distribution import chi_square_p_value, sample_sequences
 from tests.test_greedy_equivalence import generate_ids
 
@@ -148,12 +148,6 @@ def test_auto_picks_gguf_for_gguf_models_on_the_cpu_and_torch_otherwise():
 @pytest.fixture(scope="module")
 def smollm2():
     return load_model(SMOLLM2, engine="gguf")
-
-
-def prefilled(runner, prompt):
-    cache = runner.new_cache()
-    runner.forward([cache], [prompt], [1])
-    return cache
 
 
 def test_a_sessions_logits_are_bit_identical_alone_in_any_pass_and_in_any_batch(smollm2):

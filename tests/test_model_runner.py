@@ -9,6 +9,7 @@ import torch
 
 from common.model_runner import GgufRunner, TorchRunner
 from common.models import load_model
+from tests.conftest import prefilled
 from tests.test_gguf_engine import SMOLLM2
 
 RUNNERS = {
@@ -28,12 +29,6 @@ def same(a: torch.Tensor, b: torch.Tensor, runner) -> bool:
     """Bit-identical where the runner promises it (the gguf engine, and any runner's session in a pass of its
     own); float32 torch passes of different row counts agree to rounding."""
     return torch.equal(a, b) if isinstance(runner, GgufRunner) else torch.allclose(a, b, atol=1e-5)
-
-
-def prefilled(runner, prompt):
-    cache = runner.new_cache()
-    runner.forward([cache], [prompt], [1])
-    return cache
 
 
 def test_each_engine_gets_its_runner(loaded):
