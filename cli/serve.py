@@ -6,14 +6,22 @@ import asyncio
 import os
 import sys
 
-from common.config import DEFAULT_PORTS, DraftWorkerConfig, ServerOptions, WorkerConfig, add_arguments, from_arguments
-from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, PoolSettings
+from common.config import (
+    DEFAULT_PORTS,
+    ConfigError,
+    DraftWorkerConfig,
+    ServerOptions,
+    WorkerConfig,
+    add_arguments,
+    from_arguments,
+)
+from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, HttpSettings, PoolSettings
 
 # The settings classes each role's flags come from; ServerOptions' flags are every role's.
 ROLE_SETTINGS = {
     "target": (WorkerConfig,),
     "draft": (DraftWorkerConfig,),
-    "coordinator": (CoordinatorServerConfig, CoordinatorConfig, PoolSettings),
+    "coordinator": (CoordinatorServerConfig, CoordinatorConfig, PoolSettings, HttpSettings),
 }
 ROLE_HELP = {
     "target": "the target worker: verifies drafted tokens with the large model",
@@ -43,6 +51,9 @@ def run_serve(args: argparse.Namespace) -> int:
     setup_telemetry(f"specdec-{args.role}", options.metrics_port)
     try:
         return serve_role(args, options)
+    except ConfigError as error:
+        print(f"specdec serve {args.role}: {error}", file=sys.stderr)
+        return 2
     finally:
         shutdown_telemetry()
 
@@ -69,7 +80,8 @@ def serve_role(args: argparse.Namespace, options: ServerOptions) -> int:
             print("specdec serve coordinator: --target host:port is required", file=sys.stderr)
             return 2
         try:
-            asyncio.run(serve(settings, options, from_arguments(args, CoordinatorConfig), from_arguments(args, PoolSettings)))
+            configs = (from_arguments(args, cls) for cls in (CoordinatorConfig, PoolSettings, HttpSettings))
+            asyncio.run(serve(settings, options, *configs))
         except IncompatibleWorkers as error:
             print(f"specdec coordinator refuses to start: {error}", file=sys.stderr)
             return 3

@@ -3,8 +3,8 @@
 The sessions' tokens are packed into one row ([1, sum of n_i]), so every linear layer (where the weights are
 streamed, the cost that batching amortises) runs once for all of them; attention runs per session against that
 session's own cache, at its own positions. No cache is padded, stacked or copied to form the batch: each session's
-keys and values live in a buffer that grows by doubling, so appending a round's tokens writes only those tokens
-and a rollback only moves a length (round.md's crop, O(1)).
+keys and values live in a buffer that grows by doubling (never past the session's reservation), so appending a
+round's tokens writes only those tokens and a rollback only moves a length (round.md's crop, O(1)).
 
 A session's attention is computed with the same shapes whether it runs alone or in a batch; only the row count of
 the matrix products changes with the batch.
@@ -21,7 +21,12 @@ INITIAL_CAPACITY = 64
 
 class GrowableLayer(DynamicLayer):
     """A DynamicLayer with spare capacity: an update writes the new tokens only (transformers' DynamicLayer
-    concatenates, copying the whole layer every forward pass). keys and values are views of the filled part."""
+    concatenates, copying the whole layer every forward pass). keys and values are views of the filled part.
+    max_tokens: the most the buffers grow to (the session's KV reservation); None for no bound."""
+
+    def __init__(self, max_tokens: int | None = None):
+        super().__init__()
+        self.max_tokens = max_tokens
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -34,6 +39,10 @@ class GrowableLayer(DynamicLayer):
         if needed <= capacity:
             return
         capacity = max(INITIAL_CAPACITY, 2 * capacity, needed)
+        if self.max_tokens is not None:
+            if needed > self.max_tokens:
+                raise ValueError(f"the cache would hold {needed} tokens, beyond its reservation of {self.max_tokens}")
+            capacity = min(capacity, self.max_tokens)
         batch, heads = key_states.shape[:2]
         keys = key_states.new_empty(batch, heads, capacity, key_states.shape[-1])
         values = value_states.new_empty(batch, heads, capacity, value_states.shape[-1])
@@ -67,13 +76,13 @@ class GrowableLayer(DynamicLayer):
             self.set_length(max(0, self.length + tokens_to_remove))
 
 
-def session_cache(num_layers: int) -> Cache:
-    return Cache(layers=[GrowableLayer() for _ in range(num_layers)])
+def session_cache(num_layers: int, max_tokens: int | None = None) -> Cache:
+    return Cache(layers=[GrowableLayer(max_tokens) for _ in range(num_layers)])
 
 
 def clone_cache(cache: Cache) -> Cache:
     """A session cache holding a copy of `cache`'s tokens in buffers of its own."""
-    copy = session_cache(len(cache.layers))
+    copy = session_cache(len(cache.layers), cache.layers[0].max_tokens if cache.layers else None)
     for source, target in zip(cache.layers, copy.layers, strict=True):
         if source.is_initialized and source.key_buffer is not None:
             target.lazy_initialization(source.keys, source.values)

@@ -14,10 +14,11 @@ from common.model_runner import ModelRunner
 
 
 class CachedSequence:
-    def __init__(self, runner: ModelRunner, prompt: list[int]):
+    def __init__(self, runner: ModelRunner, prompt: list[int], max_tokens: int | None = None):
         self.runner = runner
         self.tokens = list(prompt)  # committed tokens: prompt + accepted output
-        self.cache = runner.new_cache()
+        self.max_tokens = max_tokens  # the session's reservation: the cache never grows past it
+        self.cache = runner.new_cache(max_tokens)
 
     @property
     def cache_len(self) -> int:

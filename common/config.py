@@ -19,6 +19,10 @@ DEFAULT_TARGET_MODEL = "smollm2-135m"
 DEFAULT_DRAFT_MODEL = "ngram"  # prompt lookup: needs no model files and suits any target
 
 
+class ConfigError(ValueError):
+    """A setting that cannot work, found before a service starts: `specdec serve` prints it and exits with 2."""
+
+
 def setting(
     default=None,
     help: str = "",
@@ -132,6 +136,12 @@ def from_arguments(args: argparse.Namespace, cls, **overrides):
     return cls(**{**values, **overrides})
 
 
+def check_token_given(token: str | None, name: str) -> None:
+    """A token that is set but empty (an unset Secret's key, an empty variable) is a mistake, never "no auth"."""
+    if token is not None and not token.strip():
+        raise ConfigError(f"{name} is set but empty: give the token, or leave it unset for no authentication")
+
+
 TLS_GROUP = ("TLS", "PEM files; a server given --tls-ca requires client certificates signed by it (mutual TLS)")
 
 
@@ -158,6 +168,9 @@ class ServerOptions:
     grace_period: float = setting(30.0, "on SIGTERM, seconds in-flight calls get to finish")
     session_idle_timeout: float = setting(600.0, "workers: close a session stream silent this long (s)")
     metrics_port: int | None = setting(None, "serve Prometheus metrics on this port (/metrics)")
+    max_concurrent_rpcs: int | None = setting(
+        1024, "calls a server runs at once (gRPC's maximum_concurrent_rpcs); more are refused RESOURCE_EXHAUSTED"
+    )
 
 
 @dataclass
@@ -179,8 +192,21 @@ class WorkerConfig:
         choices=["auto", "packed", "eager"],
     )
     max_sessions: int = setting(64, "most sessions held at once")
+    max_kv_tokens: int | None = setting(
+        None,
+        "KV-cache tokens all sessions may reserve together, each its prompt + new + drafted tokens (default: what 80%% "
+        "of the memory free after loading holds); an opening beyond it is RESOURCE_EXHAUSTED",
+    )
     threads: int | None = setting(None, "compute threads (torch.set_num_threads); default: PyTorch's choice")
     cpus: str | None = setting(None, "pin the process to these CPUs, e.g. 0 or 0-3 or 0,2")
+    worker_auth_token: str | None = setting(
+        None,
+        "require 'authorization: Bearer TOKEN' on every call but health checks (the coordinator's --worker-auth-token)",
+        env="SPECDEC_WORKER_AUTH_TOKEN",
+    )
+
+    def __post_init__(self):
+        check_token_given(self.worker_auth_token, "--worker-auth-token (SPECDEC_WORKER_AUTH_TOKEN)")
 
 
 @dataclass

@@ -42,3 +42,16 @@ def check_fits(path: str, needed: int, what: str) -> None:
         raise ResourceExhausted(
             f"model: {path}: {what} need {needed / 2**30:.2f} GiB, and {available / 2**30:.2f} GiB of memory is available"
         )
+
+
+# Of the memory left once the model is loaded, what the KV caches may take: the rest is for a pass's activations,
+# the logits it returns and the allocator's slack.
+KV_MEMORY_FRACTION = 0.8
+
+
+def kv_token_budget(bytes_per_token: int, fraction: float = KV_MEMORY_FRACTION) -> int | None:
+    """How many KV-cache tokens fit in `fraction` of the memory available now; None when it cannot be read."""
+    available = available_bytes()
+    if available is None or bytes_per_token <= 0:
+        return None
+    return int(available * fraction) // bytes_per_token

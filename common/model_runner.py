@@ -41,9 +41,21 @@ class ModelRunner(ABC):
         # goes through the ragged attention.
         use_ragged_attention(model)
 
-    def new_cache(self) -> Cache:
-        """An empty cache for one session."""
-        return session_cache(self.model.config.get_text_config().num_hidden_layers)
+    def new_cache(self, max_tokens: int | None = None) -> Cache:
+        """An empty cache for one session; its buffers never grow past max_tokens (the session's reservation)."""
+        return session_cache(self.model.config.get_text_config().num_hidden_layers, max_tokens)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What one token of a session's cache takes: keys and values of every layer."""
+        text = self.model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * element
 
     @abstractmethod
     def forward(self, caches: list[Cache], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
@@ -129,6 +141,10 @@ class GgufRunner(ModelRunner):
 
         super().__init__(model)
         self.decoder = QuantizedDecoder(model)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return torch.float32  # the decoder's caches, whatever the blocks' format
 
     def forward(self, caches: list[Cache], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
         return self.decoder(caches, token_ids, logits_to_keep)

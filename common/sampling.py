@@ -11,6 +11,11 @@ from dataclasses import dataclass
 import torch
 
 
+# Temperatures below this are greedy (vLLM's rule): dividing logits by less overflows float32 to inf, and softmax
+# then gives NaN, where the limit of sampling at a vanishing temperature is the argmax.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -20,7 +25,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

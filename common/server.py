@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 import signal
 import time
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -14,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import errors
+from common.auth import BearerTokenInterceptor
 from common.protocol import info_to_proto
 from common.batcher import Batcher
 from common.config import ServerOptions
@@ -57,11 +59,16 @@ STATUS_CODES = {
 
 
 async def create_server(
-    service: ServiceDescriptor, servicer, options: ServerOptions, channel_options: tuple = ()
+    service: ServiceDescriptor, servicer, options: ServerOptions, channel_options: tuple = (), token: str | None = None
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A server with the servicer, health (NOT_SERVING until the caller says otherwise) and reflection;
-    channel_options: gRPC options beyond GRPC_OPTIONS."""
-    server = grpc.aio.server(options=[*GRPC_OPTIONS, *channel_options])
+    channel_options: gRPC options beyond GRPC_OPTIONS; token: every call but health checks must carry it."""
+    interceptors = [BearerTokenInterceptor(token)] if token else []
+    server = grpc.aio.server(
+        options=[*GRPC_OPTIONS, *channel_options],
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=options.max_concurrent_rpcs,
+    )
     add_service(server, servicer, service)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -84,20 +91,26 @@ async def create_server(
 
 
 async def start_serving(
-    service: ServiceDescriptor, servicer, options: ServerOptions, channel_options: tuple = ()
+    service: ServiceDescriptor, servicer, options: ServerOptions, channel_options: tuple = (), token: str | None = None
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A started server that reports SERVING at once: its engine is ready (tests, benchmarks, the coordinator)."""
-    server, health_servicer, bound = await create_server(service, servicer, options, channel_options)
+    server, health_servicer, bound = await create_server(service, servicer, options, channel_options, token)
     await server.start()
     await set_serving(health_servicer, [service.full_name], True)
     return server, health_servicer, bound
 
 
 async def serve_worker(
-    service: ServiceDescriptor, servicer: "SessionStreamServicer", load_engine, model: str, options: ServerOptions
+    service: ServiceDescriptor,
+    servicer: "SessionStreamServicer",
+    load_engine,
+    model: str,
+    options: ServerOptions,
+    token: str | None = None,
 ) -> None:
-    """Runs a worker until SIGTERM: listening (NOT_SERVING) while load_engine() loads the model, then SERVING."""
-    server, health_servicer, bound = await create_server(service, servicer, options)
+    """Runs a worker until SIGTERM: listening (NOT_SERVING) while load_engine() loads the model, then SERVING.
+    token: the worker token every call must carry (--worker-auth-token)."""
+    server, health_servicer, bound = await create_server(service, servicer, options, token=token)
     await server.start()
     log.info("%s listening on port %d, loading %s", service.name, bound, model)
     # On the compute thread, which runs every forward pass after it: the thread that loads (and packs and times)
@@ -162,12 +175,23 @@ def configure_logging(level: str = "INFO") -> None:
 NO_RETRY = (("grpc-retry-pushback-ms", "-1"),)
 
 
+def internal_error_message(error: BaseException) -> str:
+    """What a caller is told of an unexpected error: a fixed text and an incident id; the detail (an exception's
+    text, which may quote a library's internals or another session's data) goes to the log under that id."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("internal error, incident %s", incident, exc_info=error)
+    return f"internal error (incident {incident}: details in the server's log)"
+
+
 async def abort_with(context: grpc.aio.ServicerContext, error: Exception, trailing_metadata=()) -> None:
-    """Ends the call with the status that fits the engine's error; unexpected errors are logged as INTERNAL."""
+    """Ends the call with the status that fits the engine's error; an unexpected one is INTERNAL with
+    internal_error_message. WorkerFailed carries what a worker told (its own incident id) and is passed on."""
     code = STATUS_CODES.get(type(error), grpc.StatusCode.INTERNAL)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("internal error", exc_info=error)
-    await context.abort(code, str(error) or type(error).__name__, trailing_metadata)
+    if code == grpc.StatusCode.INTERNAL and not isinstance(error, errors.WorkerFailed):
+        message = internal_error_message(error)
+    else:
+        message = str(error) or type(error).__name__
+    await context.abort(code, message, trailing_metadata)
 
 
 def require_loaded(engine: object) -> None:

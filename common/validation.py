@@ -4,6 +4,7 @@ import math
 
 
 from common.errors import InvalidArgument
+from common.wire_limits import MAX_Q_ENTRIES
 from common.sampling import SamplingParams, SparseDistribution
 
 # q may be renormalised float32; anything further from 1 is not a distribution the draft sampled from.
@@ -17,6 +18,12 @@ def check_sampling(params: SamplingParams, field: str) -> None:
         raise InvalidArgument(f"{field}.top_k", f"must be >= 0, got {params.top_k}")
     if not (0 < params.top_p <= 1):
         raise InvalidArgument(f"{field}.top_p", f"must be in (0, 1], got {params.top_p}")
+
+
+def check_count(value: int, limit: int, field: str) -> None:
+    """A count a caller chose (tokens to draft, entries to return): in [0, limit]."""
+    if not 0 <= value <= limit:
+        raise InvalidArgument(field, f"must be in [0, {limit}], got {value}")
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
@@ -38,6 +45,8 @@ def check_distribution(dist: SparseDistribution, token: int, vocab_size: int, fi
     # On Python lists: a few entries each, and checked for every drafted token of every round, where tensor ops
     # would cost tens of microseconds apiece.
     token_ids, probs = as_list(dist.token_ids), as_list(dist.probs)
+    if len(token_ids) > MAX_Q_ENTRIES:
+        raise InvalidArgument(f"{field}.token_ids", f"at most {MAX_Q_ENTRIES} entries, got {len(token_ids)}")
     if not token_ids or len(token_ids) != len(probs):
         raise InvalidArgument(field, "token_ids and probs must be non-empty and of equal length")
     check_token_ids(token_ids, vocab_size, f"{field}.token_ids")

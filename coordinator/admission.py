@@ -2,8 +2,7 @@
 APIs, so that --max-concurrent-requests and draining on SIGTERM hold for both together."""
 
 import contextlib
-import hmac
-
+from common.auth import token_matches
 from common.errors import ResourceExhausted, Unauthenticated
 from common.server import Lifecycle
 
@@ -19,7 +18,7 @@ class Admission:
         """authorization: the 'Bearer TOKEN' the caller presented; how: where the caller puts it, for the error."""
         if not self.auth_token:
             return
-        if not hmac.compare_digest((authorization or "").encode(), f"Bearer {self.auth_token}".encode()):
+        if not token_matches(authorization, self.auth_token):
             raise Unauthenticated(f"authorization: send {how} with a valid token")
 
     @contextlib.contextmanager

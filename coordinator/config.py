@@ -3,8 +3,9 @@
 
 from dataclasses import dataclass
 
-from common.config import TLS_GROUP, DraftWorkerConfig, setting
+from common.config import TLS_GROUP, ConfigError, DraftWorkerConfig, check_token_given, setting
 from common.tls import TlsFiles
+from common.wire_limits import MAX_P_ENTRIES, MAX_STEP_TOKENS
 
 
 @dataclass
@@ -19,6 +20,9 @@ class CoordinatorConfig:
     max_num_speculative_tokens: int = setting(16, "largest gamma a request may ask")
     default_max_new_tokens: int = setting(256, "max_new_tokens of a request that does not say")
     max_new_tokens_cap: int = setting(4096, "largest max_new_tokens a request may ask")
+    max_prompt_chars: int = setting(
+        1 << 20, "longest prompt text (of all chat messages together) accepted, checked before tokenizing (characters)"
+    )
     # K of the draft's q; the same default as the draft worker's own, which applies when a session does not say.
     max_q_entries: int = setting(DraftWorkerConfig.max_q_entries, cli=False)
     num_p_entries: int = setting(0, "top entries of p the target returns per position")
@@ -35,6 +39,15 @@ class CoordinatorConfig:
         False,
         "by default, draft round n+1 while the target verifies round n (pays when the workers run on separate devices or cores)",
     )
+
+    def __post_init__(self):
+        # The workers refuse a step beyond the protocol's limits: a coordinator that would send one fails at start.
+        if not 0 <= self.max_num_speculative_tokens <= MAX_STEP_TOKENS:
+            raise ConfigError(
+                f"--max-num-speculative-tokens must be in [0, {MAX_STEP_TOKENS}], got {self.max_num_speculative_tokens}"
+            )
+        if not 0 <= self.num_p_entries <= MAX_P_ENTRIES:
+            raise ConfigError(f"--num-p-entries must be in [0, {MAX_P_ENTRIES}], got {self.num_p_entries}")
 
 
 @dataclass
@@ -53,7 +66,19 @@ class CoordinatorServerConfig:
         None, "also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) on this port"
     )
     max_concurrent_requests: int = setting(256, "more get RESOURCE_EXHAUSTED")
+    auth: str = setting(
+        "auto",
+        "token: require --auth-token from clients, refusing to start without one; none: no authentication; auto: token "
+        "when one is given",
+        env="SPECDEC_AUTH",
+        choices=["auto", "token", "none"],
+    )
     auth_token: str | None = setting(None, "require 'authorization: Bearer TOKEN'", env="SPECDEC_AUTH_TOKEN")
+    worker_auth_token: str | None = setting(
+        None,
+        "send 'authorization: Bearer TOKEN' on every call to the workers (their --worker-auth-token)",
+        env="SPECDEC_WORKER_AUTH_TOKEN",
+    )
     worker_tls: TlsFiles = setting(
         TlsFiles(),
         group=TLS_GROUP,
@@ -66,6 +91,33 @@ class CoordinatorServerConfig:
     startup_timeout: float = setting(600.0, "seconds to wait for a target worker to report SERVING")
     draft_startup_timeout: float = setting(
         15.0, "seconds to wait at start-up for a draft worker, after which the coordinator serves target-only until one is up"
+    )
+
+    def __post_init__(self):
+        # Fail closed: a configured but missing token never means "no authentication".
+        check_token_given(self.auth_token, "--auth-token (SPECDEC_AUTH_TOKEN)")
+        check_token_given(self.worker_auth_token, "--worker-auth-token (SPECDEC_WORKER_AUTH_TOKEN)")
+        if self.auth == "token" and not self.auth_token:
+            raise ConfigError("--auth token (SPECDEC_AUTH) requires --auth-token (SPECDEC_AUTH_TOKEN); none was given")
+        if self.auth == "none" and self.auth_token:
+            raise ConfigError("--auth none (SPECDEC_AUTH) contradicts the --auth-token given; drop one of them")
+
+
+HTTP_GROUP = ("HTTP API", "limits of the OpenAI-compatible API (--http-port), against slow and silent clients")
+
+
+@dataclass
+class HttpSettings:
+    """What bounds an HTTP client: the time its request may take, how long it may stall, how many it may hold."""
+
+    http_request_timeout: float = setting(600.0, "an HTTP request's overall deadline (s); past it: 504", group=HTTP_GROUP)
+    http_stall_timeout: float = setting(
+        30.0, "a stream whose client reads nothing for this long is cancelled and its sessions freed (s)", group=HTTP_GROUP
+    )
+    http_header_timeout: float = setting(10.0, "seconds a connection gets to send a request's headers", group=HTTP_GROUP)
+    http_keep_alive: int = setting(5, "seconds an idle connection is kept open", group=HTTP_GROUP)
+    http_max_connections: int = setting(
+        1024, "connections and requests uvicorn holds at once (its limit_concurrency); more get 503", group=HTTP_GROUP
     )
 
 

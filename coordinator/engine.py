@@ -98,10 +98,14 @@ class GenerationEngine:
             raise InvalidArgument(
                 "prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.target.vocab_size})"
             )
-        limit = self.max_context_length
-        if limit and len(params.prompt_token_ids) >= limit:
+        limit, prompt = self.max_context_length, len(params.prompt_token_ids)
+        if limit and prompt >= limit:
+            raise InvalidArgument("prompt", f"{prompt} prompt tokens leave no room in the context of {limit}")
+        if limit and params.max_new_tokens_given and prompt + params.max_new_tokens > limit:
             raise InvalidArgument(
-                "prompt", f"{len(params.prompt_token_ids)} prompt tokens leave no room in the context of {limit}"
+                "max_new_tokens",
+                f"{prompt} prompt tokens + {params.max_new_tokens} new tokens exceed the context of {limit}; "
+                f"ask for at most {limit - prompt}",
             )
 
     def root_attributes(self, params: GenerationParams) -> dict:
@@ -232,6 +236,10 @@ class RequestRun:
             eos_token_ids=engine.target.eos_token_ids,
             ignore_eos=params.ignore_eos,
         )
+        # What each session reserves on its worker: every token the request may commit, and a round's drafted
+        # tokens beyond them (with overlap's assumed token); a worker caps it at its context.
+        gamma = self.config.max_num_speculative_tokens if params.num_speculative_tokens < 0 else params.num_speculative_tokens
+        self.max_tokens = len(params.prompt_token_ids) + self.output.max_new_tokens + gamma + 2
 
     def fall_back(self, reason: str, error: BaseException | None = None) -> None:
         """Continues without speculation: a span event, a metric (once per request), and a pause before that draft
@@ -243,7 +251,9 @@ class RequestRun:
         self.root.add_event("speculation.fallback", {"specdec.fallback.reason": reason, "exception.message": detail})
         if error is not None:
             log.warning("draft worker failed (%s); the request goes on without it", detail)
-            if self.draft is not None:
+            if self.draft is not None and isinstance(error, TimeoutError | Unavailable):
+                # Only a worker that is gone or too slow is paused for every request; an error of this session
+                # alone (its input, its numerics) must not turn speculation off for the others.
                 self.engine.workers.failed(self.draft, detail)
         if self.draft is not None:
             asyncio.ensure_future(close_all(self.draft))
@@ -264,7 +274,7 @@ class RequestRun:
             remaining = until - time.monotonic()
             try:
                 opening = self.engine.workers.open_target(
-                    self.params.prompt_token_ids + committed, sampling, self.config.num_p_entries, parent, like
+                    self.params.prompt_token_ids + committed, sampling, self.config.num_p_entries, parent, like, self.max_tokens
                 )
                 self.target = await asyncio.wait_for(opening, max(0.05, min(remaining, self.config.target_timeout)))
                 return
@@ -308,7 +318,12 @@ class RequestRun:
         """Opens a draft session on the prompt and the committed tokens; each draft worker tried gets the draft's
         deadline to open it."""
         return self.engine.workers.open_draft(
-            self.params.prompt_token_ids + committed, sampling, self.config.max_q_entries, parent, self.config.draft_timeout
+            self.params.prompt_token_ids + committed,
+            sampling,
+            self.config.max_q_entries,
+            parent,
+            self.config.draft_timeout,
+            self.max_tokens,
         )
 
     async def reopen_draft(self) -> bool:

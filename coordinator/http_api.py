@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import anyio
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +28,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, Field
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from common.errors import (
     DeadlineExceeded,
@@ -37,9 +39,10 @@ from common.errors import (
     Unavailable,
     WorkerFailed,
 )
-from common.server import FINAL_STOP_SECONDS, MAX_MESSAGE_BYTES
+from common.server import FINAL_STOP_SECONDS, MAX_MESSAGE_BYTES, internal_error_message
 from common.tls import TlsFiles
 from coordinator.admission import Admission
+from coordinator.config import HttpSettings
 from coordinator.engine import GenerationEngine
 from coordinator.output import Delta
 from coordinator.requests import params_of
@@ -200,6 +203,8 @@ def param_of(field: str, body: RequestFields | None) -> str:
     """The name the client used for the field a check named."""
     if field == "max_new_tokens":
         return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    if field.startswith("stop[") and isinstance(getattr(body, "stop", None), str):
+        return "stop"
     return {"prompt_token_ids": "prompt", "input": "prompt"}.get(field, field)
 
 
@@ -294,8 +299,7 @@ def classified(error: Exception) -> tuple[int, str, str]:
     internal error."""
     status, kind = ERROR_STATUS.get(type(error), (500, "internal_error"))
     if status == 500:
-        log.exception("internal error", exc_info=error)
-        return status, kind, "internal error"
+        return status, kind, internal_error_message(error)
     return status, kind, str(error) or type(error).__name__
 
 
@@ -315,7 +319,12 @@ def error_response(error: Exception, body: RequestFields | None = None, admitted
     told not to retry it (it honours x-should-retry). A refusal at admission while draining closes the connection,
     so that a retry goes out on a new one, which a load balancer may send to another coordinator."""
     status, kind, message = classified(error)
-    param = param_of(error.field, body) if isinstance(error, InvalidArgument) else None
+    param = None
+    if isinstance(error, InvalidArgument):
+        # The check names the engine's field; the caller is told the name it sent (max_tokens, not max_new_tokens).
+        param = param_of(error.field, body)
+        if param != error.field and message.startswith(f"{error.field}:"):
+            message = param + message[len(error.field) :]
     headers = {}
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
@@ -329,24 +338,35 @@ def error_response(error: Exception, body: RequestFields | None = None, admitted
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events that end, however they end (the last event, an error, the client gone), with on_close:
-    the engine's generator closes, freeing both sessions at once, and the request slot is given back.
+    """Server-sent events that end, however they end (the last event, an error, the client gone, the client not
+    reading), with on_close: the engine's generator closes, freeing both sessions at once, and the request slot is
+    given back.
 
     The client's disconnect is listened for whatever ASGI version the server speaks, so that it stops the request
-    within a round rather than at the next event that fails to send."""
+    within a round rather than at the next event that fails to send. A client that stops reading leaves the
+    connection open while the server's buffers fill and a send waits: after stall_timeout seconds of one send
+    waiting, the stream is cancelled."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable, stall_timeout: float):
         super().__init__(
             content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self.on_close = on_close
+        self.stall_timeout = stall_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        async def send_unless_stalled(message) -> None:
+            with anyio.fail_after(self.stall_timeout):
+                await send(message)
+
         try:
             async with anyio.create_task_group() as group:
 
                 async def stream() -> None:
-                    await self.stream_response(send)
+                    try:
+                        await self.stream_response(send_unless_stalled)
+                    except TimeoutError:
+                        log.info("client stopped reading its stream for %.0f s: cancelled", self.stall_timeout)
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
@@ -396,7 +416,8 @@ class AuthenticateFirst:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: GenerationEngine, admission: Admission) -> FastAPI:
+def build_app(engine: GenerationEngine, admission: Admission, http: HttpSettings | None = None) -> FastAPI:
+    http = http or HttpSettings()
     app = FastAPI(
         title="specdec",
         summary="OpenAI-compatible API over speculative decoding",
@@ -433,10 +454,11 @@ def build_app(engine: GenerationEngine, admission: Admission) -> FastAPI:
             generate_request = generate_request_of(body, default_max_tokens)
             slot.enter_context(admission.slot())
             admitted = True
-            params = params_of(generate_request, engine.tokenizer, engine.config)
+            params = await params_of(generate_request, engine.tokenizer, engine.config)
             completion = Completion(chat, engine.target.model_name, bool(body.speculation_by_position))
             # Under FastAPI's HTTP server span: the span of a request that arrived over HTTP, not the server's own.
-            events = engine.generate(params, request_context(request), kind=SpanKind.INTERNAL)
+            limit = http.http_request_timeout
+            events = before_deadline(engine.generate(params, request_context(request), limit, kind=SpanKind.INTERNAL), limit)
             if not body.stream:
                 handed_off = True
                 return await whole_response(request, events, completion, slot, body)
@@ -454,7 +476,7 @@ def build_app(engine: GenerationEngine, admission: Admission) -> FastAPI:
             await release(events, slot)
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(stream_events(first, events, completion, include_usage), close)
+        return EventStream(stream_events(first, events, completion, include_usage), close, http.http_stall_timeout)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -489,6 +511,24 @@ async def whole_response(request: Request, events, completion: Completion, slot:
         await release(events, slot)
 
 
+async def before_deadline(events, seconds: float):
+    """The engine's events, ended by DeadlineExceeded once `seconds` have passed: an HTTP request has no gRPC
+    deadline to cancel it, and a client that waits forever must not hold its sessions forever."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    try:
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    event = await anext(events)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise DeadlineExceeded(f"the request ran past its deadline of {seconds:g} s (--http-request-timeout)") from None
+            yield event
+    finally:
+        await events.aclose()
+
+
 async def last_event(events):
     async for event in events:
         if isinstance(event, GenerationResult):
@@ -518,6 +558,43 @@ async def stream_events(first, events, completion: Completion, include_usage: bo
         _, kind, message = classified(error)
         yield sse(error_body(message, kind))
     yield sse("[DONE]")
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's headers: uvicorn times out idle keep-alive
+    connections but not a client that trickles its headers in (slowloris), which would hold a connection forever."""
+
+    header_timeout = HttpSettings.http_header_timeout
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.header_timer = self.loop.call_later(self.header_timeout, self.headers_late)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE and self.header_timer is not None:
+            self.header_timer.cancel()  # this request's headers are in
+            self.header_timer = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.header_timer is None and not self.transport.is_closing():
+            self.header_timer = self.loop.call_later(self.header_timeout, self.headers_late)
+
+    def headers_late(self) -> None:
+        self.header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info("a client sent no complete request headers within %.0f s: connection closed", self.header_timeout)
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+        super().connection_lost(exc)
+
+
+def protocol_with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": seconds})
 
 
 class HttpServer(uvicorn.Server):
@@ -554,8 +631,11 @@ def tls_options(tls: TlsFiles | None) -> dict:
     return options
 
 
-async def start_http(app: FastAPI, host: str, port: int, tls: TlsFiles | None = None) -> tuple[HttpServer, int, asyncio.Task]:
+async def start_http(
+    app: FastAPI, host: str, port: int, tls: TlsFiles | None = None, http: HttpSettings | None = None
+) -> tuple[HttpServer, int, asyncio.Task]:
     """Binds host:port (0: any free port) and serves the app on it in this event loop; returns the port bound."""
+    http = http or HttpSettings()
     sock = bind(host, port)
     config = uvicorn.Config(
         app,
@@ -563,6 +643,9 @@ async def start_http(app: FastAPI, host: str, port: int, tls: TlsFiles | None = 
         log_level="warning",
         lifespan="off",
         timeout_graceful_shutdown=int(FINAL_STOP_SECONDS) or 1,
+        http=protocol_with_header_timeout(http.http_header_timeout),
+        timeout_keep_alive=http.http_keep_alive,
+        limit_concurrency=http.http_max_connections,
         **tls_options(tls),
     )
     server = HttpServer(config)

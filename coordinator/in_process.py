@@ -12,10 +12,16 @@ from target_worker.engine import TargetEngine
 
 class InProcessTargetSession:
     def __init__(
-        self, engine: TargetEngine, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None
+        self,
+        engine: TargetEngine,
+        prompt: list[int],
+        params: SamplingParams,
+        num_p_entries: int,
+        parent: Context | None,
+        max_tokens: int = 0,
     ):
         self.engine = engine
-        self.session, opened = call_in_context(parent, engine.open_session, prompt, params, num_p_entries)
+        self.session, opened = call_in_context(parent, engine.open_session, prompt, params, num_p_entries, max_tokens)
         self.prefill_us = opened.compute_us
 
     async def verify(
@@ -29,10 +35,16 @@ class InProcessTargetSession:
 
 class InProcessDraftSession:
     def __init__(
-        self, engine: DraftEngine, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None
+        self,
+        engine: DraftEngine,
+        prompt: list[int],
+        params: SamplingParams,
+        max_q_entries: int,
+        parent: Context | None,
+        max_tokens: int = 0,
     ):
         self.engine = engine
-        self.handle, _, self.prefill_us = call_in_context(parent, engine.open_session, prompt, params, max_q_entries)
+        self.handle, _, self.prefill_us = call_in_context(parent, engine.open_session, prompt, params, max_q_entries, max_tokens)
 
     async def step(
         self,
@@ -79,8 +91,9 @@ class InProcessWorkers:
         num_p_entries: int,
         parent: Context | None = None,
         like: TargetSession | None = None,
+        max_tokens: int = 0,
     ) -> TargetSession:
-        return InProcessTargetSession(self.target, prompt, params, num_p_entries, parent)
+        return InProcessTargetSession(self.target, prompt, params, num_p_entries, parent, max_tokens)
 
     async def open_draft(
         self,
@@ -89,8 +102,9 @@ class InProcessWorkers:
         max_q_entries: int,
         parent: Context | None = None,
         timeout: float | None = None,
+        max_tokens: int = 0,
     ) -> DraftSession:
-        return InProcessDraftSession(self.draft, prompt, params, max_q_entries, parent)
+        return InProcessDraftSession(self.draft, prompt, params, max_q_entries, parent, max_tokens)
 
     async def close(self) -> None:
         pass

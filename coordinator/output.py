@@ -17,23 +17,66 @@ class Delta:
     token_ids: list[int]
 
 
+def prefix_function(pattern: str) -> list[int]:
+    """KMP's failure table: for each i, the length of the longest proper prefix of pattern[: i + 1] that is also
+    a suffix of it."""
+    table = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = table[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
+class StopMatcher:
+    """Finds stop strings in text that grows piece by piece, in time linear in the new text: for each stop string
+    it keeps how much of it the text so far ends with (a KMP automaton's state), so that no round rescans the text
+    or slices every prefix of every stop string."""
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.tables = [prefix_function(s) for s in stop]
+        self.matched = [0] * len(stop)  # per stop string: the longest prefix of it that the text ends with
+
+    def feed(self, text: str, start: int) -> int:
+        """Takes text[start:], the text added since the last call; returns the index in text of the earliest-starting
+        stop string that it completes, or -1."""
+        found = -1
+        for n, (pattern, table) in enumerate(zip(self.stop, self.tables, strict=True)):
+            k = self.matched[n]
+            for i in range(start, len(text)):
+                char = text[i]
+                while k and char != pattern[k]:
+                    k = table[k - 1]
+                if char == pattern[k]:
+                    k += 1
+                if k == len(pattern):
+                    begins = i + 1 - k
+                    found = begins if found < 0 else min(found, begins)
+                    k = table[k - 1]
+                    break
+            self.matched[n] = k
+        return found
+
+    @property
+    def held(self) -> int:
+        """Characters at the end of the text that might begin a stop string."""
+        return max(self.matched, default=0)
+
+
 def held_back_length(text: str, stop: list[str]) -> int:
     """Characters at the end of text that might begin a stop string or complete a multi-byte character."""
-    held = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                held = max(held, k)
-                break
-    if text.endswith(REPLACEMENT_CHAR):
-        held = max(held, len(text) - len(text.rstrip(REPLACEMENT_CHAR)))
-    return held
+    matcher = StopMatcher(stop)
+    matcher.feed(text, 0)
+    return max(matcher.held, incomplete_tail(text))
 
 
-def find_stop(text: str, stop: list[str], start: int = 0) -> int:
-    """Index of the earliest stop string in text[start:], or -1."""
-    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
-    return min(found) if found else -1
+def incomplete_tail(text: str) -> int:
+    """Replacement characters at the end of text: bytes of a character whose remaining bytes are still to come."""
+    return len(text) - len(text.rstrip(REPLACEMENT_CHAR)) if text.endswith(REPLACEMENT_CHAR) else 0
 
 
 @dataclass
@@ -54,7 +97,7 @@ class OutputTracker:
 
     def __post_init__(self):
         self.stream = self.tokenizer.decode_stream()
-        self.longest_stop = max((len(s) for s in self.stop), default=0)
+        self.stops = StopMatcher(self.stop)
 
     @property
     def finished(self) -> bool:
@@ -81,7 +124,7 @@ class OutputTracker:
                 break
         if self.finished and self.finish_reason != generation_pb2.FINISH_REASON_STOP:
             self.text = self.tokenizer.decode(self.token_ids)  # once: includes a character the answer left unfinished
-        safe = len(self.text) if self.finished else len(self.text) - held_back_length(self.text, self.stop)
+        safe = len(self.text) if self.finished else len(self.text) - max(self.stops.held, incomplete_tail(self.text))
         delta = Delta(self.text[self.emitted_chars : max(safe, self.emitted_chars)], self.token_ids[self.emitted_tokens :])
         self.emitted_chars = max(safe, self.emitted_chars)
         self.emitted_tokens = len(self.token_ids)
@@ -89,7 +132,7 @@ class OutputTracker:
 
     def cut_at_stop(self, checked: int) -> bool:
         """Looks for a stop string ending in the text after `checked`; cuts the text before the first one found."""
-        index = find_stop(self.text, self.stop, max(0, checked - self.longest_stop + 1))
+        index = self.stops.feed(self.text, checked)
         if index < 0:
             return False
         self.text = self.text[:index]

@@ -288,7 +288,7 @@ class WorkerPool:
     def describe(self) -> str:
         if not self.members:
             return f"{self.configured[0]} resolves to no address"
-        return ", ".join(f"{m.address} {m.health.value}" for m in self.members.values())
+        return ", ".join(f"{m.address} {m.health.value}" + (f" ({m.detail})" if m.detail else "") for m in self.members.values())
 
     async def close(self) -> None:
         if self.monitor is not None:

@@ -1,5 +1,6 @@
 """GenerateRequest in, GenerateResponse out: field checks (each error names its field) and conversions."""
 
+import asyncio
 import math
 
 from common.errors import InvalidArgument
@@ -11,7 +12,14 @@ from coordinator.output import Delta
 from coordinator.pool import Health, Member, WorkerPool
 from specdec.v1 import generation_pb2, worker_pb2
 
+# A request's stop strings are matched against every round's text on the event loop that serves all requests:
+# bounded in number and length (vLLM and OpenAI bound the number; the length keeps a round's matching bounded).
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters
+MAX_MESSAGES = 1024  # of a chat request
+# Text above this is tokenized (or a chat rendered) on a thread, so that the event loop serving every request
+# stays free; below it the hand-off costs more than the tokenizing.
+TOKENIZE_ON_THREAD_CHARS = 8192
 AUTO_GAMMA = -1
 GAMMA_SCHEDULES = {
     generation_pb2.GAMMA_SCHEDULE_UNSPECIFIED: "cost_model",
@@ -20,26 +28,47 @@ GAMMA_SCHEDULES = {
 }
 
 
-def prompt_tokens_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+def prompt_text_length(request: generation_pb2.GenerateRequest) -> int:
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return len(request.prompt)
+    if kind == "messages":
+        return sum(len(m.content) + len(m.role) for m in request.messages.messages)
+    return 0
+
+
+def check_prompt_input(request: generation_pb2.GenerateRequest, config: CoordinatorConfig) -> None:
+    """The checks on the input that come before tokenizing it: which one is set, and its size."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("input", "set one of prompt, messages or prompt_token_ids")
-    if kind == "prompt":
-        if not request.prompt:
-            raise InvalidArgument("prompt", "must not be empty")
-        return tokenizer.encode(request.prompt)
+    if kind == "prompt" and not request.prompt:
+        raise InvalidArgument("prompt", "must not be empty")
     if kind == "messages":
         messages = request.messages.messages
         if not messages:
             raise InvalidArgument("messages", "must hold at least one message")
+        if len(messages) > MAX_MESSAGES:
+            raise InvalidArgument("messages", f"at most {MAX_MESSAGES} messages, got {len(messages)}")
         for i, message in enumerate(messages):
             if message.role not in CHAT_ROLES:
                 raise InvalidArgument(f"messages[{i}].role", f"unknown role {message.role!r}; use one of {', '.join(CHAT_ROLES)}")
-        return tokenizer.render_chat([{"role": m.role, "content": m.content} for m in messages])
-    token_ids = list(request.prompt_token_ids.token_ids)
-    if not token_ids:
+    if kind == "prompt_token_ids" and not request.prompt_token_ids.token_ids:
         raise InvalidArgument("prompt_token_ids", "must not be empty")
-    return token_ids
+    length = prompt_text_length(request)
+    if length > config.max_prompt_chars:
+        field = "messages" if kind == "messages" else "prompt"
+        raise InvalidArgument(field, f"{length} characters; at most {config.max_prompt_chars} are accepted")
+
+
+def prompt_tokens_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's token ids, from whichever input the request set (checked by check_prompt_input)."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return tokenizer.encode(request.prompt)
+    if kind == "messages":
+        return tokenizer.render_chat([{"role": m.role, "content": m.content} for m in request.messages.messages])
+    return list(request.prompt_token_ids.token_ids)
 
 
 def sampling_of(request: generation_pb2.GenerateRequest) -> SamplingParams:
@@ -56,7 +85,9 @@ def sampling_of(request: generation_pb2.GenerateRequest) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
-def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer, config: CoordinatorConfig) -> GenerationParams:
+async def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer, config: CoordinatorConfig) -> GenerationParams:
+    """Every field checked, then the prompt tokenized (on a thread when it is long)."""
+    check_prompt_input(request, config)
     max_new_tokens = request.max_new_tokens if request.HasField("max_new_tokens") else config.default_max_new_tokens
     if not 1 <= max_new_tokens <= config.max_new_tokens_cap:
         raise InvalidArgument("max_new_tokens", f"must be in [1, {config.max_new_tokens_cap}], got {max_new_tokens}")
@@ -70,11 +101,18 @@ def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer, con
     if request.gamma_schedule not in GAMMA_SCHEDULES:
         raise InvalidArgument("gamma_schedule", f"unknown value {request.gamma_schedule}")
     stop = list(request.stop)
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not 0 < len(s) <= MAX_STOP_LENGTH:
+            raise InvalidArgument(f"stop[{i}]", f"must hold 1 to {MAX_STOP_LENGTH} characters, got {len(s)}")
     sampling = sampling_of(request)
+    if prompt_text_length(request) > TOKENIZE_ON_THREAD_CHARS:
+        prompt_token_ids = await asyncio.to_thread(prompt_tokens_of, request, tokenizer)
+    else:
+        prompt_token_ids = prompt_tokens_of(request, tokenizer)
     return GenerationParams(
-        prompt_token_ids=prompt_tokens_of(request, tokenizer),
+        prompt_token_ids=prompt_token_ids,
         sampling=sampling,
         max_new_tokens=max_new_tokens,
         num_speculative_tokens=gamma,
@@ -83,6 +121,7 @@ def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer, con
         operation="chat" if request.WhichOneof("input") == "messages" else "text_completion",
         gamma_schedule=GAMMA_SCHEDULES[request.gamma_schedule],
         overlap=request.overlap if request.HasField("overlap") else config.overlap,
+        max_new_tokens_given=request.HasField("max_new_tokens"),
     )
 
 

@@ -16,7 +16,7 @@ from common.server import FINAL_STOP_SECONDS, NO_RETRY, ServerOptions, abort_wit
 from common.services import check_parsed
 from common.telemetry import context_from
 from coordinator.admission import Admission
-from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, PoolSettings
+from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, HttpSettings, PoolSettings
 from coordinator.engine import GenerationEngine, check_pair
 from coordinator.requests import params_of, response_of, status_of, stream_message_of
 from coordinator.worker_clients import GrpcWorkers
@@ -44,22 +44,18 @@ class GenerationServicer:
         self.engine = engine
         self.admission = admission
 
-    def authenticate(self, context: grpc.aio.ServicerContext) -> None:
-        metadata = dict(context.invocation_metadata() or ())
-        self.admission.authenticate(metadata.get("authorization"), "the metadata 'authorization: Bearer <token>'")
-
-    @contextlib.contextmanager
-    def admitted(self, request, context: grpc.aio.ServicerContext):
-        """Checks credentials and capacity before any work; holds a request slot while the request runs."""
-        self.authenticate(context)
+    @contextlib.asynccontextmanager
+    async def admitted(self, request, context: grpc.aio.ServicerContext):
+        """Checks capacity before any work (credentials were checked before the call began: common.auth); holds a
+        request slot while the request runs."""
         check_parsed(request)
         with self.admission.slot():
-            yield params_of(request, self.engine.tokenizer, self.engine.config)
+            yield await params_of(request, self.engine.tokenizer, self.engine.config)
 
     async def Generate(self, request, context):
         admitted = False
         try:
-            with self.admitted(request, context) as params:
+            async with self.admitted(request, context) as params:
                 admitted = True
                 result = await self.engine.generate_all(params, client_trace_context(context), context.time_remaining())
                 return response_of(result, request.include_rounds)
@@ -71,7 +67,7 @@ class GenerationServicer:
     async def GenerateStream(self, request, context):
         admitted = False
         try:
-            with self.admitted(request, context) as params:
+            async with self.admitted(request, context) as params:
                 admitted = True
                 async for event in self.engine.generate(params, client_trace_context(context), context.time_remaining()):
                     yield stream_message_of(event, request.include_rounds)
@@ -80,7 +76,6 @@ class GenerationServicer:
 
     async def GetStatus(self, request, context):
         try:
-            self.authenticate(context)
             engine = self.engine
             draft = engine.draft.model_name if engine.draft else ""
             return status_of(engine.workers.status(), self.admission.active, engine.target.model_name, draft)
@@ -151,20 +146,25 @@ async def launch(
     max_concurrent_requests: int = CoordinatorServerConfig.max_concurrent_requests,
     auth_token: str | None = None,
     http_port: int | None = None,
+    http: HttpSettings | None = None,
 ) -> Coordinator:
     """Serves the engine in the running event loop: gRPC on options.port and, with http_port, the OpenAI API; both
     share one admission (the concurrent-request cap, the token, draining)."""
     admission = Admission(max_concurrent_requests, auth_token)
-    server, health_servicer, bound = await start_serving(SERVICE, GenerationServicer(engine, admission), options, CONNECTION_AGE)
+    # The token is checked by the server's interceptor, before a call's request is read (common.auth).
+    server, health_servicer, bound = await start_serving(
+        SERVICE, GenerationServicer(engine, admission), options, CONNECTION_AGE, token=auth_token
+    )
     engine.config.server_address, engine.config.server_port = advertised_host(options.host), bound
     coordinator = Coordinator(server, health_servicer, bound, admission)
     if http_port is not None:
         from coordinator.http_api import build_app, start_http  # FastAPI and uvicorn only where the API is served
 
         try:
-            app = build_app(engine, admission)
+            http = http or HttpSettings()
+            app = build_app(engine, admission, http)
             coordinator.http, coordinator.http_port, coordinator.http_task = await start_http(
-                app, options.host, http_port, options.tls
+                app, options.host, http_port, options.tls, http
             )
         except BaseException:
             await server.stop(0)
@@ -184,18 +184,22 @@ async def start_coordinator_server(
 
 
 async def serve(
-    settings: CoordinatorServerConfig, options: ServerOptions, config: CoordinatorConfig, pools: PoolSettings | None = None
+    settings: CoordinatorServerConfig,
+    options: ServerOptions,
+    config: CoordinatorConfig,
+    pools: PoolSettings | None = None,
+    http: HttpSettings | None = None,
 ) -> None:
     """Runs the coordinator until SIGTERM: waits for a target worker (and briefly a draft), checks the workers'
     tokenizers, then serves. settings.target is required."""
-    workers = GrpcWorkers(settings.target, settings.draft, settings.worker_tls, pools)
+    workers = GrpcWorkers(settings.target, settings.draft, settings.worker_tls, pools, settings.worker_auth_token)
     await workers.target_info(settings.startup_timeout)
     if workers.has_draft:
         # The draft gets a little longer than the target to come up; after that the coordinator starts without it.
         with contextlib.suppress(Exception):
             await workers.draft_info(settings.draft_startup_timeout)
     engine = await build_engine(workers, config, settings.tokenizer)
-    coordinator = await launch(engine, options, settings.max_concurrent_requests, settings.auth_token, settings.http_port)
+    coordinator = await launch(engine, options, settings.max_concurrent_requests, settings.auth_token, settings.http_port, http)
     log.info(
         "coordinator serving on port %d%s: target %s (%s), draft %s (%s), gamma %d",
         coordinator.port,

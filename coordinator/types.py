@@ -29,6 +29,9 @@ class GenerationParams:
     operation: str = "text_completion"  # GenAI operation name: "chat" for chat messages
     gamma_schedule: str = "cost_model"  # how auto chooses gamma: "cost_model" or "heuristic"
     overlap: bool = False  # draft round n+1 while the target verifies round n
+    # The caller asked for max_new_tokens: then prompt + max_new_tokens must fit the context (an error, as in vLLM);
+    # a default is only an upper bound, cut to what the context leaves.
+    max_new_tokens_given: bool = False
 
 
 @dataclass

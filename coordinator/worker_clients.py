@@ -1,12 +1,14 @@
 """Workers over gRPC: each session is one bidirectional stream (DraftService.Draft, TargetService.Verify)."""
 
 import asyncio
+import functools
 from collections.abc import Callable
 
 import grpc
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
+from common.auth import token_interceptors
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerFailed
 from common.protocol import distribution_from_proto, distribution_to_proto, sampling_to_proto
 from common.rounds import Proposal, Verdict
@@ -137,10 +139,10 @@ class GrpcTargetSession(StreamSession):
     rpc = "Verify"
 
     async def open(
-        self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None
+        self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None, max_tokens: int = 0
     ) -> "GrpcTargetSession":
         start = target_pb2.VerifySessionStart(
-            prompt_token_ids=prompt, sampling=sampling_to_proto(params), num_p_entries=num_p_entries
+            prompt_token_ids=prompt, sampling=sampling_to_proto(params), num_p_entries=num_p_entries, max_tokens=max_tokens
         )
         response, _, _ = await self.exchange(target_pb2.VerifyRequest(start=start), parent)
         self.prefill_us = response.started.timing.compute_us
@@ -174,10 +176,10 @@ class GrpcDraftSession(StreamSession):
     rpc = "Draft"
 
     async def open(
-        self, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None
+        self, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None, max_tokens: int = 0
     ) -> "GrpcDraftSession":
         start = draft_pb2.DraftSessionStart(
-            prompt_token_ids=prompt, sampling=sampling_to_proto(params), max_q_entries=max_q_entries
+            prompt_token_ids=prompt, sampling=sampling_to_proto(params), max_q_entries=max_q_entries, max_tokens=max_tokens
         )
         response, _, _ = await self.exchange(draft_pb2.DraftRequest(start=start), parent)
         self.prefill_us = response.started.timing.compute_us
@@ -210,13 +212,17 @@ class GrpcDraftSession(StreamSession):
         )
 
 
-def open_channel(address: str, tls: TlsFiles | None, server_name: str | None = None) -> grpc.aio.Channel:
-    """A channel to a worker: mutual TLS when certificate files are given, plain otherwise. server_name: the name
-    the worker's certificate must carry, when the address is an IP resolved from that name."""
+def open_channel(
+    address: str, tls: TlsFiles | None, server_name: str | None = None, token: str | None = None
+) -> grpc.aio.Channel:
+    """A channel to a worker: mutual TLS when certificate files are given, plain otherwise; every call carries the
+    worker token when there is one. server_name: the name the worker's certificate must carry, when the address is
+    an IP resolved from that name."""
+    interceptors = token_interceptors(token)
     if tls is not None and tls.enabled:
         options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name)] if server_name else CHANNEL_OPTIONS
-        return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(address, channel_credentials(tls), options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
 def accepts_tokenizer(fingerprint: str, model_free_fits: bool) -> Callable[[WorkerInfo], str]:
@@ -246,9 +252,13 @@ class GrpcWorkers:
         draft: str | list[str] | None,
         tls: TlsFiles | None = None,
         settings: PoolSettings | None = None,
+        token: str | None = None,
     ):
+        """token: the workers' --worker-auth-token, sent on every call."""
+        opener = functools.partial(open_channel, token=token)
+
         def pool(role: str, addresses: list[str], stub_class) -> WorkerPool:
-            return WorkerPool(role, addresses, open_channel, stub_class, info_from_proto, tls, settings)
+            return WorkerPool(role, addresses, opener, stub_class, info_from_proto, tls, settings)
 
         self.target_pool = pool("target", parse_addresses(target), target_pb2_grpc.TargetServiceStub)
         draft_addresses = parse_addresses(draft)
@@ -297,13 +307,18 @@ class GrpcWorkers:
         num_p_entries: int,
         parent: Context | None = None,
         like: GrpcTargetSession | None = None,
+        max_tokens: int = 0,
     ) -> GrpcTargetSession:
         """like: the failed session this one replaces; the new one goes to a worker of the same model and numerics.
         A pool with no healthy member still tries one that may be restarting or recovering, waiting for it to be
         ready (within the caller's timeout) rather than failing at once."""
         same_as = like.identity if like is not None else None
         return await open_on_pool(
-            self.target_pool, GrpcTargetSession, lambda s: s.open(prompt, params, num_p_entries, parent), True, same_as
+            self.target_pool,
+            GrpcTargetSession,
+            lambda s: s.open(prompt, params, num_p_entries, parent, max_tokens),
+            True,
+            same_as,
         )
 
     async def open_draft(
@@ -313,11 +328,15 @@ class GrpcWorkers:
         max_q_entries: int,
         parent: Context | None = None,
         timeout: float | None = None,
+        max_tokens: int = 0,
     ) -> GrpcDraftSession:
         """timeout: what each draft worker gets to open the session; one that misses it is backed off, as a
         failed one is, and the next is tried."""
         return await open_on_pool(
-            self.draft_pool, GrpcDraftSession, lambda s: s.open(prompt, params, max_q_entries, parent), timeout=timeout
+            self.draft_pool,
+            GrpcDraftSession,
+            lambda s: s.open(prompt, params, max_q_entries, parent, max_tokens),
+            timeout=timeout,
         )
 
     async def close(self) -> None:

@@ -34,6 +34,8 @@ class WorkerInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     forward_costs: list[tuple[int, float]] = field(default_factory=list)  # (tokens, ms), see worker.proto
     engine: str = ""  # "gguf" or "torch" (see worker.proto)
+    max_kv_tokens: int = 0  # the KV-token budget of all its sessions (see worker.proto)
+    reserved_kv_tokens: int = 0
 
 
 class DraftSession(Protocol):
@@ -87,6 +89,7 @@ class Workers(Protocol):
         num_p_entries: int,
         parent: Context | None = None,
         like: TargetSession | None = None,  # a failed session this one replaces: same model, same numerics
+        max_tokens: int = 0,  # most tokens the session will hold, reserved on the worker (0: its context)
     ) -> TargetSession: ...
 
     async def open_draft(
@@ -96,6 +99,7 @@ class Workers(Protocol):
         max_q_entries: int,
         parent: Context | None = None,
         timeout: float | None = None,  # per draft worker tried
+        max_tokens: int = 0,  # as for open_target
     ) -> DraftSession: ...
 
     async def close(self) -> None: ...

@@ -27,13 +27,20 @@ from common.sampling import (
     sample_sparse,
     truncate_probs,
 )
-from common.sessions import SessionRegistry
+from common.memory import kv_token_budget
+from common.sessions import SessionRegistry, session_reservation
 from common.telemetry import tracer
 from common.worker_metrics import WorkerMetrics
-from common.validation import check_prompt, check_sampling, check_token_ids
+from common.validation import check_count, check_prompt, check_sampling, check_token_ids
+from common.wire_limits import MAX_Q_ENTRIES, MAX_STEP_TOKENS
 from draft_worker.ngram import NgramIndex
 
 CERTAIN = torch.ones(1)
+# Prompt lookup has no model context; its index holds a few entries per token, so a session's length is bounded
+# here (above every target's context the project serves) rather than by the 16 MiB message size.
+NGRAM_MAX_CONTEXT = 131_072
+# What a token costs prompt lookup's index: a few dictionary entries keyed by tuples (measured: 0.28 KB at max=3).
+NGRAM_BYTES_PER_TOKEN = 512
 
 
 class ModelDraftSession:
@@ -45,8 +52,10 @@ class ModelDraftSession:
     logits and samples.
     """
 
-    def __init__(self, runner: ModelRunner, prompt: list[int], params: SamplingParams, max_q_entries: int):
-        self.sequence = CachedSequence(runner, prompt)
+    def __init__(
+        self, runner: ModelRunner, prompt: list[int], params: SamplingParams, max_q_entries: int, max_tokens: int | None = None
+    ):
+        self.sequence = CachedSequence(runner, prompt, max_tokens)
         self.params = params
         self.generator = make_generator(params.seed, "draft")
         self.max_q_entries = max_q_entries
@@ -56,6 +65,14 @@ class ModelDraftSession:
     @property
     def tokens(self) -> list[int]:
         return self.sequence.tokens
+
+    @property
+    def num_committed(self) -> int:
+        return len(self.sequence.tokens)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sequence.max_tokens
 
     def prefill(self) -> int:
         self.sequence.prefill()
@@ -96,14 +113,19 @@ class ModelDraftSession:
 class NgramDraftSession:
     """Model-free: proposals are deterministic, so each q is a point mass (q = 1) and the rejection rule stays exact."""
 
-    def __init__(self, prompt: list[int], max_n: int, min_n: int):
+    def __init__(self, prompt: list[int], max_n: int, min_n: int, max_tokens: int = NGRAM_MAX_CONTEXT):
         self.index = NgramIndex(prompt, max_n, min_n)  # committed tokens, then the chain
         self.committed = len(prompt)
+        self.max_tokens = max_tokens
 
     @property
     def chain(self) -> list[int]:
         """Tokens proposed (and assumed) since the last sync."""
         return self.index.tokens[self.committed :]
+
+    @property
+    def num_committed(self) -> int:
+        return self.committed
 
     def prefill(self) -> int:
         return 0
@@ -170,13 +192,16 @@ class DraftEngine:
         max_sessions: int = DraftWorkerConfig.max_sessions,
         default_max_q_entries: int = DraftWorkerConfig.max_q_entries,
         calibrate: bool = True,
+        max_kv_tokens: int | None = DraftWorkerConfig.max_kv_tokens,
     ):
         self.loaded = loaded
         self.forward_costs = loaded.runner.cost_curve(loaded.vocab_size) if loaded and calibrate else []
         self.name = name
         self.ngram = ngram
         self.default_max_q_entries = default_max_q_entries
-        self.sessions: SessionRegistry[DraftSessionHandle] = SessionRegistry(max_sessions)
+        per_token = loaded.runner.kv_bytes_per_token if loaded else NGRAM_BYTES_PER_TOKEN
+        budget = max_kv_tokens or kv_token_budget(per_token)
+        self.sessions: SessionRegistry[DraftSessionHandle] = SessionRegistry(max_sessions, budget)
         self.metrics = WorkerMetrics("draft", self.sessions)
 
     @property
@@ -185,26 +210,31 @@ class DraftEngine:
 
     @property
     def max_context_length(self) -> int:
-        return self.loaded.max_context_length if self.loaded else 0
+        return self.loaded.max_context_length if self.loaded else NGRAM_MAX_CONTEXT
 
     def open_session(
-        self, prompt: list[int], params: SamplingParams, max_q_entries: int = 0
+        self, prompt: list[int], params: SamplingParams, max_q_entries: int = 0, max_tokens: int = 0
     ) -> tuple[DraftSessionHandle, int, int]:
         """Returns the session, the number of tokens prefilled, and the time it took (us)."""
         if self.loaded:
             check_prompt(prompt, self.vocab_size, self.max_context_length, "start.prompt_token_ids")
         elif not prompt:
             raise InvalidArgument("start.prompt_token_ids", "must not be empty")
+        elif len(prompt) >= NGRAM_MAX_CONTEXT:
+            raise InvalidArgument(
+                "start.prompt_token_ids", f"{len(prompt)} tokens: prompt lookup holds at most {NGRAM_MAX_CONTEXT}"
+            )
         check_sampling(params, "start.sampling")
-        if max_q_entries < 0:
-            raise InvalidArgument("start.max_q_entries", f"must be >= 0, got {max_q_entries}")
-        session_id = self.sessions.reserve()
+        check_count(max_q_entries, MAX_Q_ENTRIES, "start.max_q_entries")
+        reservation = session_reservation(max_tokens, len(prompt), self.max_context_length)
+        session_id = self.sessions.reserve(reservation)
         start = time.perf_counter()
         try:
             if self.loaded:
-                state = ModelDraftSession(self.loaded.runner, prompt, params, max_q_entries or self.default_max_q_entries)
+                q_entries = max_q_entries or self.default_max_q_entries
+                state = ModelDraftSession(self.loaded.runner, prompt, params, q_entries, reservation)
             else:
-                state = NgramDraftSession(prompt, *self.ngram)
+                state = NgramDraftSession(prompt, *self.ngram, reservation)
             with tracer().start_as_current_span(
                 "prefill", attributes={"specdec.worker": "draft", "specdec.prompt_tokens": len(prompt)}
             ):
@@ -231,14 +261,15 @@ class DraftEngine:
             raise InvalidArgument("step.num_accepted", f"must be in [0, {len(state.chain)}], got {call.num_accepted}")
         if call.num_accepted and not call.committed:
             raise InvalidArgument("step.num_accepted", "must be 0 when no committed_token_ids come with it")
-        if call.num_tokens < 0:
-            raise InvalidArgument("step.num_tokens", f"must be >= 0, got {call.num_tokens}")
+        check_count(call.num_tokens, MAX_STEP_TOKENS, "step.num_tokens")
         if self.loaded:
             check_token_ids(call.committed, self.vocab_size, "step.committed_token_ids")
-            limit = self.max_context_length
-            kept = call.num_accepted + len(call.committed) if call.committed else len(state.chain)
-            if limit and len(state.tokens) + kept + call.num_tokens + call.assume_accepted > limit:
-                raise InvalidArgument("step.num_tokens", f"the sequence would exceed the draft's context of {limit} tokens")
+        limit = state.max_tokens
+        kept = call.num_accepted + len(call.committed) if call.committed else len(state.chain)
+        if state.num_committed + kept + call.num_tokens + call.assume_accepted > limit:
+            raise InvalidArgument(
+                "step.num_tokens", f"the sequence would exceed the session's {limit} tokens (start.max_tokens, the context)"
+            )
 
     def step_batch(self, calls: list["DraftCall"]) -> list[Proposal | Exception]:
         """Applies each session's previous outcome (crop the rejected drafts, append committed), then proposes for
@@ -274,12 +305,17 @@ class DraftEngine:
             states = [calls[i].handle.state for i in ready]
             for state, i in zip(states, ready, strict=True):
                 state.start_step(calls[i].num_tokens, calls[i].assume_accepted)
-            self.run_model_steps(states)
-            proposals = [state.proposal for state in states]
+            failed = self.run_model_steps(states)
+            proposals = [failed.get(n, state.proposal) for n, state in enumerate(states)]
         else:
             proposals = [calls[i].handle.state.propose(calls[i].num_tokens, calls[i].assume_accepted) for i in ready]
         compute_us = elapsed_us(start)
         for i, proposal in zip(ready, proposals, strict=True):
+            if isinstance(proposal, Exception):
+                spans[i].record_exception(proposal)
+                spans[i].end()
+                results[i] = proposal
+                continue
             proposal.compute_us, proposal.sync_us, proposal.batch_size = compute_us, calls[i].sync_us, len(ready)
             proposal.queue_us = calls[i].queue_us
             spans[i].set_attributes({"specdec.drafted": len(proposal.token_ids), "specdec.batch_size": len(ready)})
@@ -289,16 +325,21 @@ class DraftEngine:
             self.metrics.record_forward("propose", compute_us / 1e6)
         return results
 
-    def run_model_steps(self, states: list[ModelDraftSession]) -> None:
-        """Forward passes until every session has proposed its tokens; each pass batches all unfinished sessions."""
+    def run_model_steps(self, states: list[ModelDraftSession]) -> dict[int, Exception]:
+        """Forward passes until every session has proposed its tokens; each pass batches all unfinished sessions.
+        A session whose sampling fails drops out with its error (by index in states); the others go on."""
+        failed: dict[int, Exception] = {}
         while True:
-            feeds = [(state, state.next_feed()) for state in states]
-            feeds = [(state, feed) for state, feed in feeds if feed is not None]
+            feeds = [(n, state.next_feed()) for n, state in enumerate(states) if n not in failed]
+            feeds = [(n, feed) for n, feed in feeds if feed is not None]
             if not feeds:
-                return
-            logits = forward_batch([s.sequence for s, _ in feeds], [f for _, f in feeds], [1] * len(feeds))
-            for (state, _), rows in zip(feeds, logits, strict=True):
-                state.consume(rows[-1])
+                return failed
+            logits = forward_batch([states[n].sequence for n, _ in feeds], [f for _, f in feeds], [1] * len(feeds))
+            for (n, _), rows in zip(feeds, logits, strict=True):
+                try:
+                    states[n].consume(rows[-1])
+                except Exception as error:  # noqa: BLE001 - fails this session's stream (and frees it), not the batch
+                    failed[n] = error
 
     def close_session(self, handle: DraftSessionHandle) -> None:
         self.sessions.remove(handle.session_id)
@@ -314,6 +355,8 @@ class DraftEngine:
             "max_context_length": self.max_context_length,
             "active_sessions": len(self.sessions),
             "max_sessions": self.sessions.max_sessions,
+            "max_kv_tokens": self.sessions.max_kv_tokens or 0,
+            "reserved_kv_tokens": self.sessions.reserved_kv_tokens,
             "eos_token_ids": loaded.tokenizer.eos_token_ids if loaded else [],
             "forward_costs": self.forward_costs,
             "engine": loaded.engine if loaded else "",

@@ -24,6 +24,7 @@ class DraftServicer(SessionStreamServicer):
             list(start.prompt_token_ids),
             sampling_from_proto(start.sampling),
             start.max_q_entries,
+            start.max_tokens,
         )
         started = worker_pb2.SessionStarted(
             session_id=handle.session_id, cached_tokens=cached, timing=timing_to_proto(compute_us)
@@ -68,7 +69,9 @@ class DraftServicer(SessionStreamServicer):
 
 
 def load_draft_engine(config: DraftWorkerConfig) -> DraftEngine:
-    limits = dict(max_sessions=config.max_sessions, default_max_q_entries=config.max_q_entries)
+    limits = dict(
+        max_sessions=config.max_sessions, default_max_q_entries=config.max_q_entries, max_kv_tokens=config.max_kv_tokens
+    )
     if is_ngram(config.model):
         return DraftEngine(None, config.model, ngram=parse_ngram(config.model), **limits)
     return DraftEngine(
@@ -78,11 +81,13 @@ def load_draft_engine(config: DraftWorkerConfig) -> DraftEngine:
 
 async def serve(config: DraftWorkerConfig, options: ServerOptions) -> None:
     servicer = DraftServicer(idle_timeout=options.session_idle_timeout)
-    await serve_worker(SERVICE, servicer, lambda: load_draft_engine(config), config.model, options)
+    await serve_worker(SERVICE, servicer, lambda: load_draft_engine(config), config.model, options, config.worker_auth_token)
 
 
-async def start_draft_server(engine: DraftEngine, options: ServerOptions | None = None) -> tuple[grpc.aio.Server, int]:
+async def start_draft_server(
+    engine: DraftEngine, options: ServerOptions | None = None, token: str | None = None
+) -> tuple[grpc.aio.Server, int]:
     """An already-loaded engine served in the running event loop (used by tests and benchmarks)."""
     options = options or ServerOptions(host="127.0.0.1")
-    server, _, bound = await start_serving(SERVICE, DraftServicer(engine, options.session_idle_timeout), options)
+    server, _, bound = await start_serving(SERVICE, DraftServicer(engine, options.session_idle_timeout), options, token=token)
     return server, bound

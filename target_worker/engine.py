@@ -17,6 +17,7 @@ from common.batcher import run_alone
 from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
 from common.config import WorkerConfig
 from common.cost_curve import cheapest_rows
+from common.memory import kv_token_budget
 from common.errors import FailedPrecondition, InvalidArgument
 from common.models import LoadedModel
 from common.rounds import Verdict
@@ -29,10 +30,17 @@ from common.sampling import (
     top_entries,
     verify_draft,
 )
-from common.sessions import SessionRegistry
+from common.sessions import SessionRegistry, session_reservation
 from common.telemetry import tracer
 from common.worker_metrics import WorkerMetrics
-from common.validation import check_distribution, check_prompt, check_sampling, check_token_ids
+from common.wire_limits import MAX_P_ENTRIES, MAX_Q_ENTRIES, MAX_STEP_TOKENS
+from common.validation import (
+    check_count,
+    check_distribution,
+    check_prompt,
+    check_sampling,
+    check_token_ids,
+)
 
 
 @dataclass
@@ -80,20 +88,32 @@ class SessionOpened:
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, max_sessions: int = WorkerConfig.max_sessions, calibrate: bool = True):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_sessions: int = WorkerConfig.max_sessions,
+        calibrate: bool = True,
+        max_kv_tokens: int | None = WorkerConfig.max_kv_tokens,
+    ):
         self.loaded, self.runner = loaded, loaded.runner
-        self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions)
-        self.metrics = WorkerMetrics("target", self.sessions)
         self.forward_costs = self.runner.cost_curve(loaded.vocab_size) if calibrate else []
+        # After the calibration, whose caches are gone by now: the budget is of the memory left to sessions.
+        budget = max_kv_tokens or kv_token_budget(self.runner.kv_bytes_per_token)
+        self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions, budget)
+        self.metrics = WorkerMetrics("target", self.sessions)
 
-    def begin_session(self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0) -> TargetSession:
-        """Checks the opening and reserves the session; its prompt is prefilled by a PrefillCall in a batch."""
-        check_prompt(prompt, self.loaded.vocab_size, self.loaded.max_context_length, "start.prompt_token_ids")
+    def begin_session(
+        self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0, max_tokens: int = 0
+    ) -> TargetSession:
+        """Checks the opening and reserves the session (and its max_tokens of the KV budget); its prompt is
+        prefilled by a PrefillCall in a batch."""
+        context = self.loaded.max_context_length
+        check_prompt(prompt, self.loaded.vocab_size, context, "start.prompt_token_ids")
         check_sampling(params, "start.sampling")
-        if num_p_entries < 0:
-            raise InvalidArgument("start.num_p_entries", f"must be >= 0, got {num_p_entries}")
-        session_id = self.sessions.reserve()
-        sequence = CachedSequence(self.runner, prompt)
+        check_count(num_p_entries, MAX_P_ENTRIES, "start.num_p_entries")
+        reservation = session_reservation(max_tokens, len(prompt), context)
+        session_id = self.sessions.reserve(reservation)
+        sequence = CachedSequence(self.runner, prompt, reservation)
         return TargetSession(session_id, sequence, params, make_generator(params.seed, "target"), num_p_entries)
 
     def abandon(self, session: TargetSession) -> None:
@@ -101,18 +121,27 @@ class TargetEngine:
         self.sessions.release(session.session_id)
 
     def open_session(
-        self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0
+        self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0, max_tokens: int = 0
     ) -> tuple[TargetSession, SessionOpened]:
         """Opens and prefills one session on its own (a batch of one)."""
-        session = self.begin_session(prompt, params, num_p_entries)
+        session = self.begin_session(prompt, params, num_p_entries, max_tokens)
         try:
             return session, run_alone(self.run_batch, PrefillCall(session))
         except Exception:
             self.abandon(session)
             raise
 
+    @staticmethod
+    def check_step_size(draft_tokens, draft_dists) -> None:
+        """The sizes of a step as received, checked before anything is converted (any sequences with len())."""
+        check_count(len(draft_tokens), MAX_STEP_TOKENS, "step.draft_token_ids")
+        check_count(len(draft_dists), MAX_STEP_TOKENS, "step.draft_distributions")
+        for i, dist in enumerate(draft_dists):
+            check_count(len(dist.token_ids), MAX_Q_ENTRIES, f"step.draft_distributions[{i}].token_ids")
+
     def check_step(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> None:
         vocab = self.loaded.vocab_size
+        self.check_step_size(draft_tokens, draft_dists)
         check_token_ids(draft_tokens, vocab, "step.draft_token_ids")
         if len(draft_dists) != len(draft_tokens):
             raise InvalidArgument(
@@ -120,9 +149,11 @@ class TargetEngine:
             )
         for i, (token, dist) in enumerate(zip(draft_tokens, draft_dists, strict=True)):
             check_distribution(dist, token, vocab, f"step.draft_distributions[{i}]")
-        limit = self.loaded.max_context_length
-        if limit and len(session.sequence.tokens) + len(draft_tokens) + 1 > limit:
-            raise InvalidArgument("step.draft_token_ids", f"the sequence would exceed the model's context of {limit} tokens")
+        limit = session.sequence.max_tokens
+        if len(session.sequence.tokens) + len(draft_tokens) + 1 > limit:
+            raise InvalidArgument(
+                "step.draft_token_ids", f"the sequence would exceed the session's {limit} tokens (start.max_tokens, the context)"
+            )
 
     def verify(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict:
         """One session's round on its own (a batch of one)."""
@@ -260,6 +291,8 @@ class TargetEngine:
             "max_context_length": loaded.max_context_length,
             "active_sessions": len(self.sessions),
             "max_sessions": self.sessions.max_sessions,
+            "max_kv_tokens": self.sessions.max_kv_tokens or 0,
+            "reserved_kv_tokens": self.sessions.reserved_kv_tokens,
             "eos_token_ids": loaded.tokenizer.eos_token_ids,
             "forward_costs": self.forward_costs,
             "engine": loaded.engine,

@@ -18,7 +18,7 @@ class TargetServicer(SessionStreamServicer):
     async def open(self, request):
         start = request.start
         session = self.engine.begin_session(
-            list(start.prompt_token_ids), sampling_from_proto(start.sampling), start.num_p_entries
+            list(start.prompt_token_ids), sampling_from_proto(start.sampling), start.num_p_entries, start.max_tokens
         )
         try:
             opened = await self.batcher.submit(PrefillCall(session, self.parent(request)))
@@ -32,6 +32,7 @@ class TargetServicer(SessionStreamServicer):
 
     async def step(self, session, request):
         step = request.step
+        self.engine.check_step_size(step.draft_token_ids, step.draft_distributions)
         # A greedy verdict never reads q (p is one-hot): it is only checked, as it came off the wire.
         dists = (
             list(step.draft_distributions)
@@ -71,15 +72,16 @@ async def serve(config: WorkerConfig, options: ServerOptions) -> None:
     servicer = TargetServicer(idle_timeout=options.session_idle_timeout)
 
     def load_engine() -> TargetEngine:
-        return TargetEngine(
-            load_model(config.model, config.device, config.dtype, config.linear, config.engine), config.max_sessions
-        )
+        loaded = load_model(config.model, config.device, config.dtype, config.linear, config.engine)
+        return TargetEngine(loaded, config.max_sessions, max_kv_tokens=config.max_kv_tokens)
 
-    await serve_worker(SERVICE, servicer, load_engine, config.model, options)
+    await serve_worker(SERVICE, servicer, load_engine, config.model, options, config.worker_auth_token)
 
 
-async def start_target_server(engine: TargetEngine, options: ServerOptions | None = None) -> tuple[grpc.aio.Server, int]:
+async def start_target_server(
+    engine: TargetEngine, options: ServerOptions | None = None, token: str | None = None
+) -> tuple[grpc.aio.Server, int]:
     """An already-loaded engine served in the running event loop (used by tests and benchmarks)."""
     options = options or ServerOptions(host="127.0.0.1")
-    server, _, bound = await start_serving(SERVICE, TargetServicer(engine, options.session_idle_timeout), options)
+    server, _, bound = await start_serving(SERVICE, TargetServicer(engine, options.session_idle_timeout), options, token=token)
     return server, bound

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.client import build_request
-from specdec.v1 import generation_pb2
+from specdec.v1 import draft_pb2, generation_pb2, target_pb2, worker_pb2
 from target_worker.engine import TargetEngine
 from tests.conftest import BackgroundServices, draft_engine_for
 
@@ -29,7 +29,7 @@ METHODS = {
     "/specdec.v1.TargetService/GetInfo": "unary",
     "/specdec.v1.DraftService/GetInfo": "unary",
 }
-counts = {"requests": 0, "raw": 0}
+counts = {"requests": 0, "raw": 0, "worker": 0}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,8 @@ def generate_requests(draw) -> generation_pb2.GenerateRequest:
         top_p=draw(st.none() | floats()),
         top_k=draw(optional),
         seed=draw(st.none() | st.integers(min_value=0, max_value=2**64 - 1)),
-        stop=draw(st.lists(st.text(max_size=4), max_size=3)),
+        # Up to and past the limits (16 strings of 256 characters).
+        stop=draw(st.lists(st.text(max_size=4), max_size=3) | st.lists(st.text(min_size=250, max_size=260), max_size=17)),
         ignore_eos=draw(st.booleans()),
         num_speculative_tokens=draw(st.none() | st.integers(min_value=-5, max_value=20)),
     )
@@ -129,8 +130,20 @@ def call_raw(channel, method: str, kind: str, payloads: list[bytes]):
     return list(channel.stream_stream(method, **identity)(iter(payloads), timeout=10))
 
 
+def large_binary():
+    """Random bytes up to the message limit's neighbourhood (1 MiB here, 16 MiB for one case), drawn from a seed:
+    hypothesis itself builds small binaries only."""
+    import random
+
+    sizes = st.sampled_from([1000, 65_536, 1 << 20, 16 * (1 << 20) - 64])
+    return st.tuples(st.integers(0, 2**32), sizes).map(lambda seed_size: random.Random(seed_size[0]).randbytes(seed_size[1]))
+
+
 @FUZZ
-@given(method=st.sampled_from(sorted(METHODS)), payloads=st.lists(st.binary(max_size=64), min_size=1, max_size=3))
+@given(
+    method=st.sampled_from(sorted(METHODS)),
+    payloads=st.lists(st.binary(max_size=64) | large_binary(), min_size=1, max_size=3),
+)
 def test_raw_malformed_bytes_get_a_clear_error_and_break_nothing(channels, services, method, payloads):
     counts["raw"] += 1
     channel = channels["coordinator" if "Generation" in method else ("target" if "Target" in method else "draft")]
@@ -138,6 +151,62 @@ def test_raw_malformed_bytes_get_a_clear_error_and_break_nothing(channels, servi
         call_raw(channel, method, METHODS[method], payloads)
     except grpc.RpcError as error:
         assert error.code() in CLEAR_ERRORS, (method, payloads, error.code(), error.details())
+
+
+def sparse(draw, vocab: int):
+    entries = draw(st.integers(min_value=0, max_value=1100))
+    token_ids = draw(st.lists(st.integers(min_value=-1, max_value=vocab), min_size=entries, max_size=entries))
+    return worker_pb2.SparseDistribution(token_ids=token_ids, probs=[1.0 / max(1, entries)] * entries)
+
+
+@st.composite
+def worker_streams(draw):
+    """A session stream sent straight to a worker port: a start with any limits, then a few steps of any size."""
+    sampling = worker_pb2.SamplingParams(
+        temperature=draw(floats() | st.sampled_from([1e-40, 1e-6, 1e30])),
+        top_k=draw(st.integers(-2, 10**6)),
+        top_p=draw(floats()),
+    )
+    prompt = draw(st.lists(st.integers(min_value=-1, max_value=300), min_size=0, max_size=40))
+    max_tokens = draw(st.integers(min_value=-5, max_value=10**6))
+    if draw(st.booleans()):
+        start = target_pb2.VerifySessionStart(
+            prompt_token_ids=prompt, sampling=sampling, num_p_entries=draw(st.integers(-2, 100)), max_tokens=max_tokens
+        )
+        messages = [target_pb2.VerifyRequest(start=start)]
+        for _ in range(draw(st.integers(0, 3))):
+            tokens = draw(st.lists(st.integers(min_value=-1, max_value=300), max_size=40))
+            dists = [sparse(draw, 300) for _ in range(draw(st.integers(0, min(len(tokens) + 1, 3))))]
+            step = target_pb2.VerifyStep(draft_token_ids=tokens, draft_distributions=dists)
+            messages.append(target_pb2.VerifyRequest(step=step))
+        return "/specdec.v1.TargetService/Verify", messages
+    start = draft_pb2.DraftSessionStart(
+        prompt_token_ids=prompt, sampling=sampling, max_q_entries=draw(st.integers(-2, 2000)), max_tokens=max_tokens
+    )
+    messages = [draft_pb2.DraftRequest(start=start)]
+    for _ in range(draw(st.integers(0, 3))):
+        step = draft_pb2.DraftStep(
+            num_accepted=draw(st.integers(-2, 5)),
+            committed_token_ids=draw(st.lists(st.integers(min_value=-1, max_value=300), max_size=5)),
+            num_tokens=draw(st.integers(-2, 40)),
+            assume_accepted=draw(st.booleans()),
+        )
+        messages.append(draft_pb2.DraftRequest(step=step))
+    return "/specdec.v1.DraftService/Draft", messages
+
+
+@settings(FUZZ, max_examples=150)
+@given(stream=worker_streams())
+def test_any_worker_stream_up_to_and_past_the_limits_gets_answers_or_a_clear_error(channels, services, stream):
+    method, messages = stream
+    counts["worker"] += 1
+    channel = channels["target" if "Target" in method else "draft"]
+    call = channel.stream_stream(method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=None)
+    try:
+        assert len(list(call(iter(messages), timeout=30))) <= len(messages)
+    except grpc.RpcError as error:
+        assert error.code() in CLEAR_ERRORS, (error.code(), error.details())
+        assert error.details()
 
 
 def test_invalid_utf8_names_its_field(channels):
@@ -154,4 +223,5 @@ def test_invalid_utf8_names_its_field(channels):
 def test_services_are_healthy_and_hold_no_sessions_after_fuzzing(channels, services):
     assert_healthy(channels, services)
     assert len(services.target.sessions) == 0 and len(services.draft.sessions) == 0
-    print(f"\nfuzz cases: {counts['requests']} GenerateRequests, {counts['raw']} raw byte payloads")
+    requests, raw, worker = counts["requests"], counts["raw"], counts["worker"]
+    print(f"\nfuzz cases: {requests} GenerateRequests, {raw} raw byte payloads, {worker} worker streams")

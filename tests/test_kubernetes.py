@@ -15,7 +15,7 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KUBERNETES = ROOT / "docker" / "kubernetes"
-OVERLAYS = ("cpu", "gpu", "shared-gpu")
+OVERLAYS = ("cpu", "gpu", "shared-gpu", "cpu-no-auth")
 KUBERNETES_VERSION = "1.32.0"  # the oldest Kubernetes the manifests are meant for (gRPC probes, preStop sleep)
 NAMESPACE = "specdec"
 ROLES = ("target", "draft", "coordinator")
@@ -24,7 +24,7 @@ WORKERS = ("target", "draft")
 METRICS_PORT = 9464
 USER_ID = 10001
 # The roles that run on a GPU in each overlay.
-GPU_ROLES = {"cpu": set(), "gpu": {"target"}, "shared-gpu": {"target", "draft"}}
+GPU_ROLES = {"cpu": set(), "gpu": {"target"}, "shared-gpu": {"target", "draft"}, "cpu-no-auth": set()}
 TIME_SLICING = KUBERNETES / "overlays" / "shared-gpu" / "nvidia-time-slicing.yaml"
 
 
@@ -462,17 +462,6 @@ def test_models_are_cached_on_a_volume(cluster):
         assert pod["securityContext"]["fsGroup"] == USER_ID, role  # the volume is writable by the specdec user
 
 
-def test_the_auth_token_comes_from_an_optional_secret(cluster):
-    for role, (_, _, container) in cluster.specdec().items():
-        tokens = [e for e in container["env"] if e["name"] == "SPECDEC_AUTH_TOKEN"]
-        if role != "coordinator":
-            assert not tokens, role
-            continue
-        (token,) = tokens
-        assert "value" not in token
-        assert token["valueFrom"]["secretKeyRef"] == {"name": "specdec-auth", "key": "token", "optional": True}
-
-
 def test_images_are_pinned(cluster):
     version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)[1]
     for _, _, container in cluster.containers():
@@ -514,3 +503,26 @@ def test_the_readme_names_objects_that_exist(rendered):
         rendered["cpu"].get(kinds[short], name)
     for overlay in OVERLAYS:
         assert f"docker/kubernetes/overlays/{overlay}" in readme
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {entry["name"]: entry for entry in container.get("env", [])}
+
+
+def test_authentication_fails_closed_unless_an_overlay_opts_out(cluster):
+    # Every specdec service reads its tokens from the Secret, which is required: no Secret, no pod (never "no
+    # authentication" by omission). Only an overlay with the no-auth component runs without, and says so.
+    services = cluster.specdec()
+    for role, (_, _, container) in services.items():
+        env = env_of(container)
+        refs = [e["valueFrom"]["secretKeyRef"] for e in env.values() if "secretKeyRef" in e.get("valueFrom", {})]
+        assert all(not ref.get("optional", False) for ref in refs), (cluster.name, role, refs)
+        if cluster.name.endswith("no-auth"):
+            assert not refs, (cluster.name, role)
+            continue
+        assert env["SPECDEC_WORKER_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "specdec-auth", "key": "worker-token"}
+        if role == "coordinator":
+            assert env["SPECDEC_AUTH"]["value"] == "token"
+            assert env["SPECDEC_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "specdec-auth", "key": "token"}
+    coordinator_env = env_of(services["coordinator"][2])
+    assert coordinator_env["SPECDEC_AUTH"]["value"] == ("none" if cluster.name.endswith("no-auth") else "token")

@@ -9,6 +9,7 @@ import grpc
 import openai
 import pytest
 
+from common.models import TINY_RANDOM_CONTEXT
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, free_port
 from specdec.v1 import worker_pb2, worker_pb2_grpc  # noqa: F401 - GetInfo of the workers below
@@ -136,11 +137,21 @@ def test_bad_input_gets_400_naming_the_field(client):
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2}, "n"),
         ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens"),
+        # Beyond the cap, and beyond what the context leaves after the prompt (vLLM's 400, never a silent clamp):
+        # both name the field the caller sent, in the message too.
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"max_tokens": TINY_RANDOM_CONTEXT}, "max_tokens"),
+        ({"stop": "x" * 257}, "stop"),
+        ({"stop": ["ok", "x" * 257]}, "stop[1]"),
     ]
     for options, param in cases:
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(model=TARGET, prompt="bad", **options)
         assert error.value.status_code == 400 and error.value.body["param"] == param, options
+        assert error.value.body["message"].startswith(param + ":"), error.value.body
+    # Left unset, max_tokens means up to the context: a chat request without it is served.
+    unset = client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": "hi"}], temperature=0)
+    assert unset.usage.completion_tokens >= 1
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=TARGET, messages=[{"role": "robot", "content": "hi"}])
     assert error.value.body["param"] == "messages[0].role"
@@ -208,7 +219,7 @@ def test_a_client_that_disconnects_mid_stream_frees_both_sessions(client, cluste
     assert wait_until_no_sessions(cluster, 5)
     # 4,096 tokens take the tiny models several seconds: only the disconnect can free the sessions within one.
     stream = client.completions.create(
-        model=TARGET, prompt="a long answer", max_tokens=4096, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        model=TARGET, prompt="a long answer", max_tokens=4000, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
     for i, _ in enumerate(stream):
         if i == 3:

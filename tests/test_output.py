@@ -117,3 +117,57 @@ def test_a_failing_decode_stream_falls_back_to_whole_decoding_without_losing_tex
     stream.stream = Failing()
     text += "".join(stream.step(t) for t in token_ids[10:])
     assert text == MULTI_BYTE
+
+
+def naive_first_stop(text: str, stop: list[str], start: int) -> int:
+    found = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in stop) if i >= 0]
+    return min(found) if found else -1
+
+
+def naive_held(text: str, stop: list[str]) -> int:
+    return max([k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
+
+
+def test_the_stop_matcher_finds_what_a_rescan_of_the_whole_text_finds():
+    # The incremental matcher against the obvious quadratic rescan, on random texts fed in random pieces over a
+    # small alphabet (so that partial and overlapping matches are frequent).
+    import random
+
+    from coordinator.output import StopMatcher
+
+    rng = random.Random(7)
+    for _ in range(400):
+        stop = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        matcher, text = StopMatcher(stop), ""
+        while True:
+            start, text = len(text), text + "".join(rng.choice("abc") for _ in range(rng.randint(1, 4)))
+            found = matcher.feed(text, start)
+            assert found == naive_first_stop(text, stop, start), (stop, text, start)
+            if found >= 0:
+                break
+            assert matcher.held == naive_held(text, stop), (stop, text)
+
+
+def test_held_back_matching_costs_time_linear_in_the_new_text():
+    # 16 stop strings of 256 characters that the text keeps almost matching, the worst case for rescanning every
+    # prefix of every stop string each round (16 x 256^2 / 2 characters compared). KMP touches each stop string
+    # at most twice per new character, amortised: counted here through the characters it reads of them.
+    from coordinator.output import StopMatcher
+
+    reads = 0
+
+    class CountingStr(str):
+        def __getitem__(self, index):
+            nonlocal reads
+            reads += 1
+            return super().__getitem__(index)
+
+    stop = [CountingStr("a" * 255 + "b" * (i + 1)) for i in range(16)]
+    matcher, text = StopMatcher(stop), ""
+    reads = 0
+    for _ in range(200):
+        start, text = len(text), text + "a" * 8
+        assert matcher.feed(text, start) == -1
+    assert matcher.held == 255
+    assert reads <= 2 * 2 * len(stop) * len(text)
+    assert matcher.feed(text + "b", len(text)) == len(text) - 255  # the shortest one completes

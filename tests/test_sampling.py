@@ -148,3 +148,28 @@ def test_draft_and_target_draw_independent_numbers_from_one_seed():
     draft, target = make_generator(5, "draft"), make_generator(5, "target")
     assert not torch.equal(torch.rand(8, generator=draft), torch.rand(8, generator=target))
     assert torch.equal(torch.rand(8, generator=make_generator(5, "draft")), torch.rand(8, generator=make_generator(5, "draft")))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-40, 1e-6, 1e-5, 0.5, 1.0, 1e6, 1e30])
+@pytest.mark.parametrize("top_k", [0, 1, 3, 10**9])
+@pytest.mark.parametrize("top_p", [1e-30, 0.5, 1.0])
+def test_extreme_logits_and_parameters_give_distributions_never_nan(temperature, top_k, top_p):
+    # Logits of +-1e4 (a model's saturated outputs) under every sampling path: warping, truncating q, the
+    # acceptance test and the residual. Below GREEDY_BELOW a temperature is greedy, where dividing by it would
+    # overflow float32 to inf and softmax would give NaN.
+    from common.sampling import GREEDY_BELOW, truncate_probs, verify_draft
+
+    logits = torch.tensor([[1e4, -1e4, 9999.0, 0.0, -5.0, 1e4 - 0.5]] * 3)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
+    assert params.greedy == (temperature < GREEDY_BELOW)
+    probs = logits_to_probs(logits, params)
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    assert torch.allclose(probs.sum(-1), torch.ones(3))
+    q = [truncate_probs(row, 4) for row in probs[:2]]
+    assert all(torch.isfinite(d.probs).all() and abs(float(d.probs.sum()) - 1) < 1e-5 for d in q)
+    generator = make_generator(1, "target")
+    drafted = [int(d.token_ids[0]) for d in q]
+    accepted, token = verify_draft(probs, drafted, q, params, generator)
+    assert 0 <= accepted <= 2 and 0 <= token < logits.shape[-1]
+    if params.greedy:
+        assert token == 0 and accepted == 2  # the argmax, first of the tied maxima

@@ -7,6 +7,7 @@ import ipaddress
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -152,3 +153,98 @@ def test_generation_requires_the_bearer_token(pki, target_model, draft_models):
             )
 
     serve_secured(pki, target_model, draft_models, scenario)
+
+
+def test_a_call_without_the_token_is_refused_before_its_message_is_read(target_model):
+    # 15 MiB of prompt from a stranger: refused UNAUTHENTICATED by the interceptor, never parsed (a parsed prompt
+    # that size would be INVALID_ARGUMENT, past the model's context).
+    async def run():
+        engine = TargetEngine(target_model, calibrate=False)
+        workers = GrpcWorkers("127.0.0.1:1", None)
+        coordinator_engine = await build_engine_offline(engine, workers)
+        server, port = await start_coordinator_server(coordinator_engine, auth_token=TOKEN)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", -1)]) as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await stub.Generate(build_request("x" * (15 * 2**20)))
+                assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+        finally:
+            await server.stop(0)
+            await workers.close()
+
+    asyncio.run(run())
+
+
+async def build_engine_offline(target: TargetEngine, workers):
+    from coordinator.engine import GenerationEngine
+    from coordinator.workers import WorkerInfo
+
+    return GenerationEngine(workers, target.loaded.tokenizer, WorkerInfo(**target.info()), None, CoordinatorConfig())
+
+
+def test_workers_with_a_worker_token_serve_only_the_coordinator_that_sends_it(target_model, draft_models):
+    async def run():
+        target_server, target_port = await start_target_server(TargetEngine(target_model), token="worker-secret")
+        draft_server, draft_port = await start_draft_server(draft_engine_for(draft_models, 0.1), token="worker-secret")
+        servers = [target_server, draft_server]
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{target_port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as error:  # a client straight on the worker port
+                    await target_pb2_grpc.TargetServiceStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+                assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                call = target_pb2_grpc.TargetServiceStub(channel).Verify()
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await call.read()
+                assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+            # A coordinator without the token cannot even read the worker's info.
+            stranger = GrpcWorkers(f"127.0.0.1:{target_port}", None, token=None)
+            try:
+                with pytest.raises(Exception, match="UNAUTHENTICATED|authorization"):
+                    await asyncio.wait_for(stranger.target_info(3), 10)
+            finally:
+                await stranger.close()
+            workers = GrpcWorkers(f"127.0.0.1:{target_port}", f"127.0.0.1:{draft_port}", token="worker-secret")
+            try:
+                engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target_model.tokenizer)
+                server, port = await start_coordinator_server(engine)
+                servers.append(server)
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                    result = await stub.Generate(build_request("hi", max_new_tokens=8, ignore_eos=True, num_speculative_tokens=3))
+                    assert result.usage.completion_tokens == 8 and result.speculation.drafted_tokens > 0
+                    assert not result.speculation.fallback_reason
+            finally:
+                await workers.close()
+        finally:
+            await asyncio.gather(*(s.stop(0) for s in servers))
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--auth", "token"], "--auth token (SPECDEC_AUTH) requires --auth-token"),
+        (["--auth-token", " "], "--auth-token (SPECDEC_AUTH_TOKEN) is set but empty"),
+        (["--worker-auth-token", ""], "--worker-auth-token (SPECDEC_WORKER_AUTH_TOKEN) is set but empty"),
+        (["--auth", "none", "--auth-token", "t"], "--auth none (SPECDEC_AUTH) contradicts"),
+        (["--max-num-speculative-tokens", "64"], "--max-num-speculative-tokens must be in [0, 32]"),
+    ],
+)
+def test_a_coordinator_configured_to_authenticate_without_a_token_refuses_to_start(args, message, capsys):
+    from cli.main import main
+
+    assert main(["serve", "coordinator", "--target", "127.0.0.1:1", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_worker_given_an_empty_worker_token_refuses_to_start(capsys):
+    from cli.main import main
+
+    assert main(["serve", "target", "--model", "tiny-random:seed=0", "--worker-auth-token", ""]) == 2
+    assert "is set but empty" in capsys.readouterr().err

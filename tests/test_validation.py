@@ -26,6 +26,11 @@ BAD_REQUESTS = {
     "num_speculative_tokens ": build_request("hi", num_speculative_tokens=-3),
     "prompt_token_ids": build_request([1, 2, 999]),
     "stop": build_request("hi", stop=[""]),
+    "stop ": build_request("hi", stop=["a"] * 17),
+    "stop[1]": build_request("hi", stop=["a", "b" * 257]),
+    "messages": build_request([{"role": "user", "content": "hi"}] * 1025),
+    # Asked for explicitly, max_new_tokens must fit the context after the prompt (4096 for the tiny model).
+    "max_new_tokens  ": build_request("hi", max_new_tokens=4095),
     "prompt  ": build_request("x" * 5000),
 }
 

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftSessionStart(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "max_q_entries")
+    __slots__ = ("prompt_token_ids", "sampling", "max_q_entries", "max_tokens")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_Q_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _worker_pb2.SamplingParams
     max_q_entries: int
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., max_q_entries: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., max_q_entries: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftStep(_message.Message):
     __slots__ = ("num_accepted", "committed_token_ids", "num_tokens", "assume_accepted")

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifySessionStart(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "num_p_entries")
+    __slots__ = ("prompt_token_ids", "sampling", "num_p_entries", "max_tokens")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_P_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _worker_pb2.SamplingParams
     num_p_entries: int
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., num_p_entries: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., num_p_entries: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyStep(_message.Message):
     __slots__ = ("draft_token_ids", "draft_distributions")
