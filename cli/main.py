@@ -52,14 +52,15 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--output-root", help="results go to OUTPUT_ROOT/NAME (default: the suite's)")
     bench.add_argument(
         "--suite",
-        choices=["speedup", "performance", "pair", "overhead", "scale", "llama-cpp"],
+        choices=["speedup", "performance", "pair", "overhead", "scale", "llama-cpp", "prefill"],
         default="speedup",
         help="speedup: baselines, gamma and temperature sweeps, the analytic model; performance: schedules (auto, "
         "heuristic, fixed), concurrency sweep, overlap on separate cores; pair: a real draft/target pair against "
         "target-only, HF generate and HF assisted, with cost curves before/after packing and memory peaks; overhead: "
         "per-round overhead beyond compute (median, p95 µs) against the gRPC floor, and gRPC vs in-process; scale: one "
         "target worker against two (tokens/s, session spread) and a fault run over 2 targets, 2 drafts, 2 coordinators; "
-        "llama-cpp: the gguf engine against llama.cpp on the same files and threads (cost curves, end to end)",
+        "llama-cpp: the gguf engine against llama.cpp on the same files and threads (cost curves, end to end); prefill: "
+        "what a long prompt arriving mid-stream does to 4 streams' inter-token gaps, in one pass and chunked",
     )
     bench.add_argument("--overlap-draft-model", help="performance: the model draft of the overlap runs (default: the suite's)")
 
@@ -193,6 +194,10 @@ def run_bench_command(args) -> int:
 
         given.pop("device", None)
         out = run_llama_cpp(LlamaCppConfig(name=name, quick=args.quick, **given))
+    elif args.suite == "prefill":
+        from bench.prefill_interference import PrefillConfig, run_prefill
+
+        out = run_prefill(PrefillConfig(name=name, quick=args.quick, **given))
     elif args.suite == "performance":
         from bench.performance import PerformanceConfig, run_performance
 

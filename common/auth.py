@@ -3,17 +3,18 @@ side adds the token to every call of a channel.
 
 The check sits in a server interceptor, so a call without the token is refused before any of its request
 messages is read or parsed (a 16 MiB message from a stranger costs nothing), and it is written once for every
-method. Health checks are exempt: Kubernetes probes and load balancers carry no credentials, and a health status
-says nothing about the model or its users.
+method. Health checks are exempt (Kubernetes probes and load balancers carry no credentials, and a health status
+says nothing about the model or its users), and so is reflection (it describes the public .proto contract).
 """
 
 import hmac
 
 import grpc
 from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
 
 AUTHORIZATION = "authorization"
-EXEMPT_SERVICES = (health.SERVICE_NAME,)
+EXEMPT_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection")
 
 
 def token_matches(authorization: str | None, token: str) -> bool:
@@ -41,7 +42,7 @@ def refusal_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMet
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Every call but health checks must carry 'authorization: Bearer TOKEN' in its metadata."""
+    """Every call but health checks and reflection must carry 'authorization: Bearer TOKEN' in its metadata."""
 
     def __init__(
         self, token: str, message: str = "authorization: send the metadata 'authorization: Bearer <token>' with a valid token"

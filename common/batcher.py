@@ -13,9 +13,20 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 
+class Continue:
+    """A batch method's result for a call that is not finished (a prefill with prompt chunks still to run): the
+    call goes into the next batch, beside the other sessions' steps, and its caller keeps waiting."""
+
+
+CONTINUE = Continue()
+
+
 def run_alone(run_batch: Callable[[list], list], call):
-    """One call through a batch method (a batch of one): its result, or its error raised."""
-    result = run_batch([call])[0]
+    """One call through a batch method (batches of one until it finishes): its result, or its error raised."""
+    while True:
+        result = run_batch([call])[0]
+        if result is not CONTINUE:
+            break
     if isinstance(result, Exception):
         raise result
     return result
@@ -37,7 +48,8 @@ class Batcher:
         self.run_batch = run_batch  # calls -> one result (or exception) per call, in order
         self.open_sessions = open_sessions  # how many steps a full batch would hold
         self.max_batch = max_batch
-        self.queue: list[tuple[object, asyncio.Future]] = []
+        self.queue: list[tuple[object, asyncio.Future]] = []  # calls that arrived
+        self.continuing: list[tuple[object, asyncio.Future]] = []  # unfinished calls, run first in the next batch
         self.arrived = asyncio.Event()
         self.draining: asyncio.Task | None = None
         self.last_pass = 0.0  # seconds
@@ -67,11 +79,12 @@ class Batcher:
                 return
 
     async def drain(self) -> None:
-        while self.queue:
+        while self.queue or self.continuing:
             batch = []
             try:
                 await self.gather()
-                batch, self.queue = self.queue[: self.max_batch], self.queue[self.max_batch :]
+                waiting, self.continuing = [*self.continuing, *self.queue], []
+                batch, self.queue = waiting[: self.max_batch], waiting[self.max_batch :]
                 batch = [(call, future) for call, future in batch if not future.done()]  # callers gone while waiting
                 if batch:
                     await self.run(batch)
@@ -90,10 +103,14 @@ class Batcher:
         except Exception as error:  # noqa: BLE001 - handed to every caller of the batch
             results = [error] * len(batch)
         self.last_pass = time.monotonic() - start
-        for (_, future), result in zip(batch, results, strict=True):
+        for (call, future), result in zip(batch, results, strict=True):
             if future.done():  # the caller went away (its stream was cancelled)
                 continue
-            if isinstance(result, BaseException):
+            if result is CONTINUE:
+                # Its next chunk runs in the next pass, with the steps gather() waits for: those of the sessions
+                # that arrive meanwhile (an unfinished call is not one of them).
+                self.continuing.append((call, future))
+            elif isinstance(result, BaseException):
                 future.set_exception(result)
             else:
                 future.set_result(result)

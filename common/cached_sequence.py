@@ -33,10 +33,13 @@ class CachedSequence:
         """Feeds token_ids on top of the cache; returns the last logits_to_keep rows as CPU float32 [k, V]."""
         return as_sampling_input(forward_batch([self], [token_ids], [logits_to_keep])[0])
 
-    def prefill(self) -> None:
-        """Caches the prompt but its last token, which stays pending for the first round."""
-        if len(self.tokens) > 1:
-            self.forward(self.tokens[:-1], 1)
+    def prefill(self, max_tokens: int | None = None) -> bool:
+        """Caches the prompt but its last token, which stays pending for the first round: at most max_tokens more
+        of it per call (a chunk), or all at once. True once all of it is cached."""
+        end, start = len(self.tokens) - 1, self.cache_len
+        if start < end:
+            self.forward(self.tokens[start : end if max_tokens is None else min(end, start + max_tokens)], 1)
+        return self.cache_len >= end
 
     def rollback(self, keep: int) -> int:
         """Crops the cache to its first keep tokens; returns how many tokens were removed."""

@@ -192,6 +192,11 @@ class WorkerConfig:
         choices=["auto", "packed", "eager"],
     )
     max_sessions: int = setting(64, "most sessions held at once")
+    max_prefill_tokens_per_pass: int = setting(
+        256,
+        "most prompt tokens prefilled in one pass, all opening sessions together; a longer prompt runs in chunks "
+        "between the other sessions' rounds, each of which it then delays by one chunk at most",
+    )
     max_kv_tokens: int | None = setting(
         None,
         "KV-cache tokens all sessions may reserve together, each its prompt + new + drafted tokens (default: what 80%% "
@@ -201,12 +206,15 @@ class WorkerConfig:
     cpus: str | None = setting(None, "pin the process to these CPUs, e.g. 0 or 0-3 or 0,2")
     worker_auth_token: str | None = setting(
         None,
-        "require 'authorization: Bearer TOKEN' on every call but health checks (the coordinator's --worker-auth-token)",
+        "require 'authorization: Bearer TOKEN' on every call but health checks and reflection (the coordinator's "
+        "--worker-auth-token)",
         env="SPECDEC_WORKER_AUTH_TOKEN",
     )
 
     def __post_init__(self):
         check_token_given(self.worker_auth_token, "--worker-auth-token (SPECDEC_WORKER_AUTH_TOKEN)")
+        if self.max_prefill_tokens_per_pass < 1:
+            raise ConfigError(f"--max-prefill-tokens-per-pass must be at least 1, got {self.max_prefill_tokens_per_pass}")
 
 
 @dataclass

@@ -231,9 +231,12 @@ class SessionStreamServicer:
         return await run_traced(self.executor, request.trace_context, fn, *args)
 
     def stepping_sessions(self) -> int:
-        """Sessions that took a step in the last second: the ones a batch should wait for (an open session whose
-        request skips this worker, e.g. a round without drafting, is not waited for)."""
-        return self.engine.sessions.recently_active(1.0) if self.engine else 0
+        """Sessions that took a step in the last second, or in the last two passes when a pass takes longer (a
+        prefill chunk): the ones a batch should wait for, so that a long prompt's next chunk does not run before
+        the rounds its last chunk delayed (an open session whose request skips this worker, e.g. a round without
+        drafting, is not waited for)."""
+        window = max(1.0, 2 * self.batcher.last_pass)
+        return self.engine.sessions.recently_active(window) if self.engine else 0
 
     def run_batch(self, calls: list) -> list:
         """Runs one batch of steps on the engine (on the compute thread)."""
@@ -259,12 +262,14 @@ class SessionStreamServicer:
         raise NotImplementedError
 
     async def open_or_free(self, request):
-        """open(), except that a stream cancelled during the prefill still frees the session the engine then adds
-        (the prefill runs on the compute thread and cannot be interrupted)."""
+        """open(), except that a stream cancelled during the prefill still frees its session: the opening is
+        cancelled too (a chunked prefill stops after its current chunk, which the compute thread cannot interrupt,
+        and the engine then refuses to add the session), and one that finished meanwhile is closed."""
         opening = asyncio.ensure_future(self.open(request))
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:
+            opening.cancel()
             opening.add_done_callback(self.free_opened)
             raise
 

@@ -193,6 +193,21 @@ class GenerationEngine:
         raise RuntimeError("generation ended without a result")
 
 
+# How much longer than its measured per-token cost a long prefill may take: the cost curve is measured at a
+# 160-token context, and attention over a long prompt costs more per token the longer it is (measured on the
+# gguf engine, SmolLM2, 2 cores: 4,000 tokens in one pass took 2.4x the per-token cost of its 64-token pass).
+PREFILL_SLACK = 4.0
+
+
+def prefill_allowance(forward_costs: list[tuple[int, float]], tokens: int) -> float:
+    """Seconds a prefill of `tokens` may take beyond a round's deadline: PREFILL_SLACK times the cost per token
+    at the largest count the worker measured; 0 when it measured none."""
+    if not forward_costs:
+        return 0.0
+    counted, milliseconds = max(forward_costs)
+    return PREFILL_SLACK * tokens * milliseconds / counted / 1000
+
+
 def derived_seed(seed: int | None, generation: int, stream: str = "reopen") -> int | None:
     """The seed of a reopened session: a fresh random stream, so no uniform is used twice in a request (a stream
     per worker role: "reopen" for the target, "reopen-draft" for the draft)."""
@@ -264,7 +279,11 @@ class RequestRun:
     ) -> None:
         """(Re)opens the target session on prompt + committed tokens, retrying with backoff within the time limit.
         like: the failed session it replaces (the new one runs the same model with the same numerics)."""
-        until = time.monotonic() + self.config.target_retry_window
+        # A long prompt's prefill (in chunks, between the other sessions' rounds) may take far longer than a round:
+        # the opening gets the round deadline plus what the worker's measured cost says the prefill needs.
+        prefill = prefill_allowance(self.engine.target.forward_costs, len(self.params.prompt_token_ids) + len(committed))
+        open_timeout = self.config.target_timeout + prefill
+        until = time.monotonic() + self.config.target_retry_window + prefill
         if self.deadline is not None:
             # Answer UNAVAILABLE a moment before the caller's own deadline, so it learns what failed.
             until = min(until, self.deadline - DEADLINE_MARGIN)
@@ -276,7 +295,7 @@ class RequestRun:
                 opening = self.engine.workers.open_target(
                     self.params.prompt_token_ids + committed, sampling, self.config.num_p_entries, parent, like, self.max_tokens
                 )
-                self.target = await asyncio.wait_for(opening, max(0.05, min(remaining, self.config.target_timeout)))
+                self.target = await asyncio.wait_for(opening, max(0.05, min(remaining, open_timeout)))
                 return
             except (TimeoutError, Unavailable) as error:
                 last_error, attempts = error, attempts + 1

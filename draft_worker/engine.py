@@ -74,8 +74,12 @@ class ModelDraftSession:
     def max_tokens(self) -> int:
         return self.sequence.max_tokens
 
-    def prefill(self) -> int:
-        self.sequence.prefill()
+    def prefill(self, max_tokens: int | None = None) -> bool:
+        """The next chunk of the prompt (all of it without max_tokens); True once it is cached."""
+        return self.sequence.prefill(max_tokens)
+
+    @property
+    def cached(self) -> int:
         return self.sequence.cache_len
 
     def sync(self, num_accepted: int, committed: list[int]) -> None:
@@ -127,8 +131,10 @@ class NgramDraftSession:
     def num_committed(self) -> int:
         return self.committed
 
-    def prefill(self) -> int:
-        return 0
+    def prefill(self, max_tokens: int | None = None) -> bool:
+        return True  # the index was built with the session
+
+    cached = 0
 
     def sync(self, num_accepted: int, committed: list[int]) -> None:
         self.index.truncate(self.committed + num_accepted)
@@ -164,6 +170,7 @@ class DraftSessionHandle:
     session_id: str
     state: DraftSession
     last_active: float = field(default_factory=time.monotonic)
+    prefill_us: int = 0  # the opening's compute, over its chunks
 
 
 @dataclass
@@ -193,8 +200,10 @@ class DraftEngine:
         default_max_q_entries: int = DraftWorkerConfig.max_q_entries,
         calibrate: bool = True,
         max_kv_tokens: int | None = DraftWorkerConfig.max_kv_tokens,
+        max_prefill_tokens: int = DraftWorkerConfig.max_prefill_tokens_per_pass,
     ):
         self.loaded = loaded
+        self.max_prefill_tokens = max_prefill_tokens
         self.forward_costs = loaded.runner.cost_curve(loaded.vocab_size) if loaded and calibrate else []
         self.name = name
         self.ngram = ngram
@@ -212,10 +221,11 @@ class DraftEngine:
     def max_context_length(self) -> int:
         return self.loaded.max_context_length if self.loaded else NGRAM_MAX_CONTEXT
 
-    def open_session(
+    def begin_session(
         self, prompt: list[int], params: SamplingParams, max_q_entries: int = 0, max_tokens: int = 0
-    ) -> tuple[DraftSessionHandle, int, int]:
-        """Returns the session, the number of tokens prefilled, and the time it took (us)."""
+    ) -> DraftSessionHandle:
+        """Checks the opening and reserves the session (and its max_tokens of the KV budget); its prompt is then
+        prefilled by prefill_chunk, a chunk at a time, and the session added by finish_opening."""
         if self.loaded:
             check_prompt(prompt, self.vocab_size, self.max_context_length, "start.prompt_token_ids")
         elif not prompt:
@@ -228,24 +238,54 @@ class DraftEngine:
         check_count(max_q_entries, MAX_Q_ENTRIES, "start.max_q_entries")
         reservation = session_reservation(max_tokens, len(prompt), self.max_context_length)
         session_id = self.sessions.reserve(reservation)
-        start = time.perf_counter()
         try:
             if self.loaded:
                 q_entries = max_q_entries or self.default_max_q_entries
                 state = ModelDraftSession(self.loaded.runner, prompt, params, q_entries, reservation)
             else:
                 state = NgramDraftSession(prompt, *self.ngram, reservation)
-            with tracer().start_as_current_span(
-                "prefill", attributes={"specdec.worker": "draft", "specdec.prompt_tokens": len(prompt)}
-            ):
-                cached = state.prefill()
         except BaseException:
             self.sessions.release(session_id)
             raise
+        return DraftSessionHandle(session_id, state)
+
+    def prefill_chunk(self, handle: DraftSessionHandle) -> bool:
+        """Prefills the next max_prefill_tokens of the session's prompt (a pass of its own, between the batched
+        steps of the other sessions: a long prompt delays each of their steps by one chunk at most); True once the
+        whole prompt is cached."""
+        start = time.perf_counter()
+        state = handle.state
+        with tracer().start_as_current_span(
+            "prefill", attributes={"specdec.worker": "draft", "specdec.prompt_tokens": state.num_committed}
+        ):
+            done = state.prefill(self.max_prefill_tokens)
+        handle.prefill_us += elapsed_us(start)
         self.metrics.record_forward("prefill", time.perf_counter() - start)
-        handle = DraftSessionHandle(session_id, state)
-        self.sessions.add(session_id, handle)
-        return handle, cached, elapsed_us(start)
+        return done
+
+    def finish_opening(self, handle: DraftSessionHandle) -> None:
+        """Adds the prefilled session; FailedPrecondition when its reservation was released meanwhile."""
+        if not self.sessions.add(handle.session_id, handle):
+            raise FailedPrecondition("the opening was abandoned")
+
+    def abandon(self, handle: DraftSessionHandle) -> None:
+        """Frees a session whose opening failed or was cancelled, prefilled or not."""
+        self.sessions.release(handle.session_id)
+
+    def open_session(
+        self, prompt: list[int], params: SamplingParams, max_q_entries: int = 0, max_tokens: int = 0
+    ) -> tuple[DraftSessionHandle, int, int]:
+        """Opens and prefills one session at once; returns the session, the number of tokens prefilled, and the
+        time it took (us)."""
+        handle = self.begin_session(prompt, params, max_q_entries, max_tokens)
+        try:
+            while not self.prefill_chunk(handle):
+                pass
+            self.finish_opening(handle)
+        except BaseException:
+            self.abandon(handle)
+            raise
+        return handle, handle.state.cached, handle.prefill_us
 
     def step(
         self, handle: DraftSessionHandle, num_accepted: int, committed: list[int], num_tokens: int, assume_accepted: bool = False

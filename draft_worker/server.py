@@ -18,16 +18,25 @@ class DraftServicer(SessionStreamServicer):
 
     async def open(self, request):
         start = request.start
-        handle, cached, compute_us = await self.run(
+        engine = self.engine
+        handle = await self.run(
             request,
-            self.engine.open_session,
+            engine.begin_session,
             list(start.prompt_token_ids),
             sampling_from_proto(start.sampling),
             start.max_q_entries,
             start.max_tokens,
         )
+        try:
+            # One compute-thread task per chunk: the batched steps of the other sessions run in between.
+            while not await self.run(request, engine.prefill_chunk, handle):
+                pass
+            engine.finish_opening(handle)
+        except BaseException:
+            engine.abandon(handle)
+            raise
         started = worker_pb2.SessionStarted(
-            session_id=handle.session_id, cached_tokens=cached, timing=timing_to_proto(compute_us)
+            session_id=handle.session_id, cached_tokens=handle.state.cached, timing=timing_to_proto(handle.prefill_us)
         )
         return handle, draft_pb2.DraftResponse(started=started)
 
@@ -70,7 +79,10 @@ class DraftServicer(SessionStreamServicer):
 
 def load_draft_engine(config: DraftWorkerConfig) -> DraftEngine:
     limits = dict(
-        max_sessions=config.max_sessions, default_max_q_entries=config.max_q_entries, max_kv_tokens=config.max_kv_tokens
+        max_sessions=config.max_sessions,
+        default_max_q_entries=config.max_q_entries,
+        max_kv_tokens=config.max_kv_tokens,
+        max_prefill_tokens=config.max_prefill_tokens_per_pass,
     )
     if is_ngram(config.model):
         return DraftEngine(None, config.model, ngram=parse_ngram(config.model), **limits)

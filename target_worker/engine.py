@@ -13,7 +13,7 @@ import torch
 from opentelemetry.context import Context
 
 from common.batched_forward import as_sampling_input
-from common.batcher import run_alone
+from common.batcher import CONTINUE, run_alone
 from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
 from common.config import WorkerConfig
 from common.cost_curve import cheapest_rows
@@ -72,12 +72,14 @@ class VerifyCall:
 
 @dataclass
 class PrefillCall:
-    """An opening session's prompt, prefilled in a batch with the other sessions' rounds."""
+    """An opening session's prompt, prefilled in a batch with the other sessions' rounds: in chunks, a pass at a
+    time, when it is longer than the engine's max_prefill_tokens (the call then goes into several batches)."""
 
     session: TargetSession
     parent: Context | None = None
     queued_at: float = 0.0  # set by the batcher
     queue_us: int = 0
+    compute_us: int = 0  # of its chunks so far
 
 
 @dataclass
@@ -94,8 +96,10 @@ class TargetEngine:
         max_sessions: int = WorkerConfig.max_sessions,
         calibrate: bool = True,
         max_kv_tokens: int | None = WorkerConfig.max_kv_tokens,
+        max_prefill_tokens: int = WorkerConfig.max_prefill_tokens_per_pass,
     ):
         self.loaded, self.runner = loaded, loaded.runner
+        self.max_prefill_tokens = max_prefill_tokens
         self.forward_costs = self.runner.cost_curve(loaded.vocab_size) if calibrate else []
         # After the calibration, whose caches are gone by now: the budget is of the memory left to sessions.
         budget = max_kv_tokens or kv_token_budget(self.runner.kv_bytes_per_token)
@@ -177,7 +181,7 @@ class TargetEngine:
                 results[i] = error
         if not ready:
             return results
-        feeds = [self.feed(calls[i]) for i in ready]
+        feeds = self.feeds([calls[i] for i in ready])
         batch_tokens = sum(len(f) for f in feeds)
         start = time.perf_counter()
         spans = [self.start_span(calls[i], len(ready), batch_tokens) for i in ready]
@@ -203,10 +207,14 @@ class TargetEngine:
             call = calls[i]
             if isinstance(call, PrefillCall):
                 span.end()
+                call.compute_us += forward_us
+                if call.session.sequence.cache_len < len(call.session.sequence.tokens) - 1:
+                    results[i] = CONTINUE  # chunks of its prompt still to run
+                    continue
                 if not self.sessions.add(call.session.session_id, call.session):
                     results[i] = FailedPrecondition("the opening was abandoned")
                     continue
-                results[i] = SessionOpened(call.session.session_id, call.session.sequence.cache_len, forward_us)
+                results[i] = SessionOpened(call.session.session_id, call.session.sequence.cache_len, call.compute_us)
                 continue
             try:
                 verdict = self.decide(call, rows[i], span)
@@ -220,12 +228,27 @@ class TargetEngine:
         self.metrics.record_forward("verify", elapsed_us(start) / 1e6)
         return results
 
-    @staticmethod
-    def feed(call: "VerifyCall | PrefillCall") -> list[int]:
-        sequence = call.session.sequence
-        if isinstance(call, PrefillCall):
-            return sequence.tokens[:-1]  # the last prompt token stays pending for the first round
-        return sequence.pending() + call.draft_tokens
+    def feeds(self, calls: list["VerifyCall | PrefillCall"]) -> list[list[int]]:
+        """What each call feeds this pass: a round its pending and drafted tokens; a prefill the next chunk of its
+        prompt (all but the last token, which stays pending for the first round).
+
+        Chunked prefill, as vLLM's and TGI's: the prefills of one pass hold at most max_prefill_tokens, so that a
+        long prompt delays the other sessions' rounds by one chunk's pass at most. A session's chunks are always
+        the same (max_prefill_tokens each, from its first token), whatever else is prefilling: the pass decides
+        only which sessions' next chunks run now, so a session's numerics never depend on its batch-mates."""
+        budget, feeds = self.max_prefill_tokens, []
+        for call in calls:
+            sequence = call.session.sequence
+            if isinstance(call, VerifyCall):
+                feeds.append(sequence.pending() + call.draft_tokens)
+                continue
+            start = sequence.cache_len
+            chunk = sequence.tokens[start : min(len(sequence.tokens) - 1, start + self.max_prefill_tokens)]
+            if len(chunk) > budget:
+                chunk = []  # the next pass's
+            budget -= len(chunk)
+            feeds.append(chunk)
+        return feeds
 
     @staticmethod
     def start_span(call: "VerifyCall | PrefillCall", batch_size: int, batch_tokens: int):

@@ -73,7 +73,12 @@ async def serve(config: WorkerConfig, options: ServerOptions) -> None:
 
     def load_engine() -> TargetEngine:
         loaded = load_model(config.model, config.device, config.dtype, config.linear, config.engine)
-        return TargetEngine(loaded, config.max_sessions, max_kv_tokens=config.max_kv_tokens)
+        return TargetEngine(
+            loaded,
+            config.max_sessions,
+            max_kv_tokens=config.max_kv_tokens,
+            max_prefill_tokens=config.max_prefill_tokens_per_pass,
+        )
 
     await serve_worker(SERVICE, servicer, load_engine, config.model, options, config.worker_auth_token)
 

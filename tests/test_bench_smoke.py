@@ -78,3 +78,31 @@ def test_the_llama_cpp_report_rates_against_the_best_llama_cpp_configuration_and
     assert "| specdec auto (ngram) | 12.00 | 0.75 |" in text  # against llama-server, the best at 16 tok/s
     assert f"## {CONCURRENT_CLIENTS} concurrent clients" in text
     assert "| specdec auto (ngram) | 32.00 | 1.33 |" in text
+
+
+def test_the_prefill_report_shows_each_streams_worst_gap_in_one_pass_and_in_chunks():
+    """The prefill suite takes minutes on SmolLM2 (a 4,000-token prompt); its table is checked here on rows of the
+    shape it records."""
+    from bench.prefill_interference import PrefillConfig, report_markdown
+
+    def row(chunk, worst, unchanged=True):
+        return {
+            "chunk": chunk,
+            "repeat": 0,
+            "worst_gap_ms": worst,
+            "median_gap_ms": 40.0,
+            "median_gap_alone_ms": 38.0,
+            "prefill_s": 20.0,
+            "outputs_unchanged": unchanged,
+        }
+
+    from dataclasses import asdict
+
+    report = {
+        "config": asdict(PrefillConfig(name="t")),
+        "machine": {"processor": "x86_64", "torch_threads": 2},
+        "rows": [row(None, [21000.0] * 4), row(256, [1800.0, 1900.0, 2000.0, 2100.0], unchanged=False)],
+    }
+    text = report_markdown(report)
+    assert "| one pass | 21000 / 21000 / 21000 / 21000 | 40 | 38 | 20.00 | yes | none |" in text
+    assert "| chunks of 256 | 1800 / 1900 / 2000 / 2100 | 40 | 38 | 20.00 | NO | none |" in text

@@ -108,13 +108,13 @@ def test_a_stream_the_worker_already_ended_reports_unavailable(target_model):
 
 
 class SlowPrefillDraftEngine(DraftEngine):
-    opened = 0
+    opened = 0  # prefills run to their end
 
-    def open_session(self, *args):
+    def prefill_chunk(self, handle):
         time.sleep(0.3)
-        opened = super().open_session(*args)
-        self.opened += 1
-        return opened
+        done = super().prefill_chunk(handle)
+        self.opened += done
+        return done
 
 
 def test_a_stream_cancelled_during_its_prefill_frees_the_session_opened_after_it(target_model, draft_models):
