@@ -13,6 +13,7 @@ import typing
 from dataclasses import MISSING, dataclass
 
 from common.tls import TlsFiles
+from common.wire_limits import MAX_Q_ENTRIES
 
 DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053, "http": 8000}  # http: the OpenAI API
 DEFAULT_TARGET_MODEL = "smollm2-135m"
@@ -223,3 +224,8 @@ class DraftWorkerConfig(WorkerConfig):
         DEFAULT_DRAFT_MODEL, "HF id or path, smollm2-135m, tiny-random:..., or ngram[:max=3,min=1] (prompt lookup)"
     )
     max_q_entries: int = setting(64, "most entries of each q (K) when the session does not say")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 1 <= self.max_q_entries <= MAX_Q_ENTRIES:  # a target refuses a q beyond the protocol's limit
+            raise ConfigError(f"--max-q-entries must be in [1, {MAX_Q_ENTRIES}], got {self.max_q_entries}")

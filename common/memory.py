@@ -49,9 +49,15 @@ def check_fits(path: str, needed: int, what: str) -> None:
 KV_MEMORY_FRACTION = 0.8
 
 
-def kv_token_budget(bytes_per_token: int, fraction: float = KV_MEMORY_FRACTION) -> int | None:
-    """How many KV-cache tokens fit in `fraction` of the memory available now; None when it cannot be read."""
-    available = available_bytes()
+def kv_token_budget(bytes_per_token: int, device: str = "cpu", fraction: float = KV_MEMORY_FRACTION) -> int | None:
+    """How many KV-cache tokens fit in `fraction` of the memory available now where the caches live (the GPU's
+    free memory for a CUDA device); None when it cannot be read."""
+    if device.startswith("cuda"):
+        import torch
+
+        available = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        available = available_bytes()
     if available is None or bytes_per_token <= 0:
         return None
     return int(available * fraction) // bytes_per_token

@@ -327,21 +327,27 @@ class RequestRun:
         if draft_opening is not None:
             # Both prefill concurrently; the draft gets its round deadline beyond the target's prefill.
             try:
-                self.draft = await asyncio.wait_for(draft_opening, self.config.draft_timeout)
+                self.draft = await asyncio.wait_for(draft_opening, self.draft_open_timeout([]))
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
                 self.fall_back("draft_open_failed", error)
 
+    def draft_open_timeout(self, committed: list[int]) -> float:
+        """The draft's round deadline, plus what its measured cost says the prompt's prefill needs (a model draft
+        prefills a long prompt in chunks; one slower than a round is not a failed worker)."""
+        costs = self.engine.draft.forward_costs if self.engine.draft else []
+        return self.config.draft_timeout + prefill_allowance(costs, len(self.params.prompt_token_ids) + len(committed))
+
     def opening_draft(self, committed: list[int], sampling, parent: Context):
-        """Opens a draft session on the prompt and the committed tokens; each draft worker tried gets the draft's
-        deadline to open it."""
+        """Opens a draft session on the prompt and the committed tokens; each draft worker tried gets
+        draft_open_timeout to open it."""
         return self.engine.workers.open_draft(
             self.params.prompt_token_ids + committed,
             sampling,
             self.config.max_q_entries,
             parent,
-            self.config.draft_timeout,
+            self.draft_open_timeout(committed),
             self.max_tokens,
         )
 
@@ -354,7 +360,7 @@ class RequestRun:
         sampling = replace(self.params.sampling, seed=derived_seed(self.params.sampling.seed, self.draft_reopens, "reopen-draft"))
         try:
             opening = self.opening_draft(self.output.token_ids, sampling, self.root_context)
-            self.draft = await asyncio.wait_for(opening, self.config.draft_timeout)
+            self.draft = await asyncio.wait_for(opening, self.draft_open_timeout(self.output.token_ids))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed

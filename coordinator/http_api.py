@@ -517,12 +517,15 @@ async def before_deadline(events, seconds: float):
     deadline = asyncio.get_running_loop().time() + seconds
     try:
         while True:
+            limit = asyncio.timeout_at(deadline)
             try:
-                async with asyncio.timeout_at(deadline):
+                async with limit:
                     event = await anext(events)
             except StopAsyncIteration:
                 return
             except TimeoutError:
+                if not limit.expired():
+                    raise  # the engine's own, not this deadline
                 raise DeadlineExceeded(f"the request ran past its deadline of {seconds:g} s (--http-request-timeout)") from None
             yield event
     finally:
@@ -572,9 +575,12 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self.conn.their_state is not h11.IDLE and self.header_timer is not None:
-            self.header_timer.cancel()  # this request's headers are in
-            self.header_timer = None
+        if self.conn.their_state is not h11.IDLE:
+            if self.header_timer is not None:
+                self.header_timer.cancel()  # this request's headers are in
+                self.header_timer = None
+        elif self.header_timer is None and not self.transport.is_closing():
+            self.header_timer = self.loop.call_later(self.header_timeout, self.headers_late)  # awaiting the next
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -209,7 +209,7 @@ class DraftEngine:
         self.ngram = ngram
         self.default_max_q_entries = default_max_q_entries
         per_token = loaded.runner.kv_bytes_per_token if loaded else NGRAM_BYTES_PER_TOKEN
-        budget = max_kv_tokens or kv_token_budget(per_token)
+        budget = max_kv_tokens or kv_token_budget(per_token, str(loaded.device) if loaded else "cpu")
         self.sessions: SessionRegistry[DraftSessionHandle] = SessionRegistry(max_sessions, budget)
         self.metrics = WorkerMetrics("draft", self.sessions)
 

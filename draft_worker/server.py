@@ -1,5 +1,7 @@
 """DraftService over gRPC: a thin servicer that turns stream messages into DraftEngine calls."""
 
+import asyncio
+
 import grpc
 
 from common.config import DraftWorkerConfig
@@ -13,20 +15,39 @@ from specdec.v1 import draft_pb2, worker_pb2
 SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]
 
 
+def abandon_begun(engine: DraftEngine):
+    """A done-callback that frees the session a cancelled opening's begin_session reserved."""
+
+    def abandon(beginning: asyncio.Future) -> None:
+        if not beginning.cancelled() and beginning.exception() is None:
+            engine.abandon(beginning.result())
+
+    return abandon
+
+
 class DraftServicer(SessionStreamServicer):
     role = worker_pb2.WORKER_ROLE_DRAFT
 
     async def open(self, request):
         start = request.start
         engine = self.engine
-        handle = await self.run(
-            request,
-            engine.begin_session,
-            list(start.prompt_token_ids),
-            sampling_from_proto(start.sampling),
-            start.max_q_entries,
-            start.max_tokens,
+        beginning = asyncio.ensure_future(
+            self.run(
+                request,
+                engine.begin_session,
+                list(start.prompt_token_ids),
+                sampling_from_proto(start.sampling),
+                start.max_q_entries,
+                start.max_tokens,
+            )
         )
+        try:
+            # On the compute thread (prompt lookup's index is built there): a cancellation meanwhile still
+            # releases the reservation it makes.
+            handle = await asyncio.shield(beginning)
+        except asyncio.CancelledError:
+            beginning.add_done_callback(abandon_begun(engine))
+            raise
         try:
             # One compute-thread task per chunk: the batched steps of the other sessions run in between.
             while not await self.run(request, engine.prefill_chunk, handle):

@@ -102,7 +102,7 @@ class TargetEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.forward_costs = self.runner.cost_curve(loaded.vocab_size) if calibrate else []
         # After the calibration, whose caches are gone by now: the budget is of the memory left to sessions.
-        budget = max_kv_tokens or kv_token_budget(self.runner.kv_bytes_per_token)
+        budget = max_kv_tokens or kv_token_budget(self.runner.kv_bytes_per_token, str(loaded.device))
         self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions, budget)
         self.metrics = WorkerMetrics("target", self.sessions)
 
@@ -117,8 +117,12 @@ class TargetEngine:
         check_count(num_p_entries, MAX_P_ENTRIES, "start.num_p_entries")
         reservation = session_reservation(max_tokens, len(prompt), context)
         session_id = self.sessions.reserve(reservation)
-        sequence = CachedSequence(self.runner, prompt, reservation)
-        return TargetSession(session_id, sequence, params, make_generator(params.seed, "target"), num_p_entries)
+        try:
+            sequence = CachedSequence(self.runner, prompt, reservation)
+            return TargetSession(session_id, sequence, params, make_generator(params.seed, "target"), num_p_entries)
+        except BaseException:
+            self.sessions.release(session_id)
+            raise
 
     def abandon(self, session: TargetSession) -> None:
         """Frees a session whose opening failed or was cancelled, prefilled or not."""

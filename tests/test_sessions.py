@@ -136,6 +136,34 @@ def test_a_stream_cancelled_during_its_prefill_frees_the_session_opened_after_it
     asyncio.run(run())
 
 
+class SlowBeginDraftEngine(DraftEngine):
+    begun = 0
+
+    def begin_session(self, *args):
+        time.sleep(0.3)
+        handle = super().begin_session(*args)
+        self.begun += 1
+        return handle
+
+
+def test_a_stream_cancelled_while_its_session_is_reserved_frees_the_reservation(target_model, draft_models):
+    """The reservation is made on the compute thread, after the cancellation; it must not leak."""
+
+    async def run():
+        draft = SlowBeginDraftEngine(draft_models[0.5], "draft", calibrate=False)
+        async with running_services(TargetEngine(target_model), draft) as services:
+            async with grpc.aio.insecure_channel(services.draft_address) as channel:
+                call = draft_pb2_grpc.DraftServiceStub(channel).Draft()
+                start = draft_pb2.DraftSessionStart(prompt_token_ids=[1, 2, 3], sampling=worker_pb2.SamplingParams(top_p=1.0))
+                await call.write(draft_pb2.DraftRequest(start=start))
+                await asyncio.sleep(0.1)
+                call.cancel()
+            assert await wait_for(lambda: draft.begun == 1)
+            assert await wait_for(lambda: draft.sessions.reserved_kv_tokens == 0 and not draft.sessions.reserved)
+
+    asyncio.run(run())
+
+
 def test_a_cancellation_swallowed_by_wait_for_still_stops_the_request():
     """Python 3.11's asyncio.wait_for can return a result although its task was cancelled; the speculation loop
     checks the task's cancellation count each round, so the request does not run on after its caller left."""
