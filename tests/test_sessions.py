@@ -79,6 +79,8 @@ def test_failed_request_frees_both_sessions(target_model, draft_models):
                 await services.stub.Generate(build_request(PROMPT, max_new_tokens=50, ignore_eos=True))
             assert error.value.code() == grpc.StatusCode.INTERNAL
             assert "target worker failed" in error.value.details()
+            # The client learns an incident id; the exception's own text stays in the worker's log.
+            assert "incident" in error.value.details() and "injected target fault" not in error.value.details()
             assert await wait_for(lambda: no_sessions(services), timeout=5)
             assert await active_sessions(services) == (0, 0)
 
