@@ -51,6 +51,29 @@ def test_reservations_never_exceed_the_budget_and_are_freed_with_their_sessions(
     registry.release(second)
 
 
+class TrackedTarget(TargetEngine):
+    """Keeps every session it opens, to add up the bytes their caches hold."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.opened = []
+
+    def begin_session(self, *args, **kwargs):
+        session = super().begin_session(*args, **kwargs)
+        self.opened.append(session)
+        return session
+
+    def cache_bytes(self) -> int:
+        """Bytes of key and value buffers of the sessions that hold a reservation now (open or prefilling)."""
+        held = [s for s in self.opened if s.session_id in self.sessions.kv_tokens]
+        return sum(
+            layer.key_buffer.nbytes + layer.value_buffer.nbytes
+            for s in held
+            for layer in s.sequence.cache.layers
+            if getattr(layer, "key_buffer", None) is not None
+        )
+
+
 def test_concurrent_long_prompts_beyond_the_budget_are_refused_by_name_and_the_rest_match_their_solo_output(
     target_model, draft_models
 ):
@@ -58,7 +81,7 @@ def test_concurrent_long_prompts_beyond_the_budget_are_refused_by_name_and_the_r
     # budget, the refused requests get RESOURCE_EXHAUSTED saying why, and every served one equals its output alone.
     prompt_tokens, new_tokens = 600, 16
     per_request = prompt_tokens + new_tokens + 4 + 2  # prompt, answer, gamma and the pending/assumed tokens
-    target = TargetEngine(target_model, max_kv_tokens=3 * per_request)
+    target = TrackedTarget(target_model, max_kv_tokens=3 * per_request)
     config = CoordinatorConfig(default_num_speculative_tokens=4)
 
     def request(i: int):
@@ -70,10 +93,13 @@ def test_concurrent_long_prompts_beyond_the_budget_are_refused_by_name_and_the_r
             solo = [(await services.stub.Generate(request(i))).token_ids for i in range(8)]
             peak = 0
 
+            peak_bytes = 0
+
             async def watch():
-                nonlocal peak
+                nonlocal peak, peak_bytes
                 while True:
                     peak = max(peak, target.sessions.reserved_kv_tokens)
+                    peak_bytes = max(peak_bytes, target.cache_bytes())
                     await asyncio.sleep(0.001)
 
             watcher = asyncio.ensure_future(watch())
@@ -88,6 +114,8 @@ def test_concurrent_long_prompts_beyond_the_budget_are_refused_by_name_and_the_r
             for i in served:
                 assert list(results[i].token_ids) == list(solo[i])
             assert 0 < peak <= 3 * per_request
+            # The memory the caches took, not only what was booked: within the budget's bytes.
+            assert 0 < peak_bytes <= 3 * per_request * target.runner.kv_bytes_per_token, (peak_bytes, per_request)
             ok = await services.stub.Generate(request(0))  # still serving, budget all free again
             assert list(ok.token_ids) == list(solo[0]) and target.sessions.reserved_kv_tokens == 0
 
