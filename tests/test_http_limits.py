@@ -13,7 +13,7 @@ from coordinator.server import build_engine, launch
 from coordinator.worker_clients import GrpcWorkers
 from target_worker.engine import TargetEngine
 from target_worker.server import start_target_server
-from tests.conftest import TARGET
+from tests.conftest import TARGET, wait_for
 
 
 @contextlib.asynccontextmanager
@@ -38,15 +38,6 @@ def completion_request(port: int, stream: bool, max_tokens: int = 4000) -> bytes
     ).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
     return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-
-
-async def wait_until(condition, timeout: float) -> bool:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
 
 
 class SlowTarget(TargetEngine):
@@ -75,7 +66,7 @@ def test_an_http_request_past_its_deadline_gets_504_and_frees_its_session(target
                 response = await client.post(f"http://127.0.0.1:{coordinator.http_port}/v1/completions", json=body)
             assert response.status_code == 504, response.text
             assert "--http-request-timeout" in response.json()["error"]["message"]
-            assert await wait_until(lambda: len(engine.sessions) == 0, 5)
+            assert await wait_for(lambda: len(engine.sessions) == 0, 5)
         finally:
             await coordinator.stop()
             await workers.close()

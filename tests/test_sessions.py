@@ -109,6 +109,16 @@ def test_a_stream_the_worker_already_ended_reports_unavailable(target_model):
     asyncio.run(run())
 
 
+async def open_and_cancel_draft_stream(address: str) -> None:
+    """Opens a draft session straight on the worker's port and cancels the stream 0.1 s into its opening."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = draft_pb2_grpc.DraftServiceStub(channel).Draft()
+        start = draft_pb2.DraftSessionStart(prompt_token_ids=[1, 2, 3], sampling=worker_pb2.SamplingParams(top_p=1.0))
+        await call.write(draft_pb2.DraftRequest(start=start))
+        await asyncio.sleep(0.1)
+        call.cancel()
+
+
 class SlowPrefillDraftEngine(DraftEngine):
     opened = 0  # prefills run to their end
 
@@ -125,13 +135,8 @@ def test_a_stream_cancelled_during_its_prefill_frees_the_session_opened_after_it
     async def run():
         draft = SlowPrefillDraftEngine(draft_models[0.5], "draft", calibrate=False)
         async with running_services(TargetEngine(target_model), draft) as services:
-            async with grpc.aio.insecure_channel(services.draft_address) as channel:
-                call = draft_pb2_grpc.DraftServiceStub(channel).Draft()
-                start = draft_pb2.DraftSessionStart(prompt_token_ids=[1, 2, 3], sampling=worker_pb2.SamplingParams(top_p=1.0))
-                await call.write(draft_pb2.DraftRequest(start=start))
-                await asyncio.sleep(0.1)
-                call.cancel()
-                await asyncio.sleep(0.5)
+            await open_and_cancel_draft_stream(services.draft_address)
+            await asyncio.sleep(0.5)
             assert await wait_for(lambda: draft.opened == 1)
             assert await wait_for(lambda: len(services.draft.sessions) == 0)
 
@@ -154,12 +159,7 @@ def test_a_stream_cancelled_while_its_session_is_reserved_frees_the_reservation(
     async def run():
         draft = SlowBeginDraftEngine(draft_models[0.5], "draft", calibrate=False)
         async with running_services(TargetEngine(target_model), draft) as services:
-            async with grpc.aio.insecure_channel(services.draft_address) as channel:
-                call = draft_pb2_grpc.DraftServiceStub(channel).Draft()
-                start = draft_pb2.DraftSessionStart(prompt_token_ids=[1, 2, 3], sampling=worker_pb2.SamplingParams(top_p=1.0))
-                await call.write(draft_pb2.DraftRequest(start=start))
-                await asyncio.sleep(0.1)
-                call.cancel()
+            await open_and_cancel_draft_stream(services.draft_address)
             assert await wait_for(lambda: draft.begun == 1)
             assert await wait_for(lambda: draft.sessions.reserved_kv_tokens == 0 and not draft.sessions.reserved)
 
