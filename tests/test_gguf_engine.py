@@ -3,6 +3,7 @@ whatever the row count or the batch, and lossless speculation on top of them (gr
 exact distribution by chi-square)."""
 
 import asyncio
+import contextlib
 import functools
 import os
 import re
@@ -80,35 +81,78 @@ def test_kernel_matches_a_float64_reference_of_the_dequantised_weights(spec, nam
     assert (y - float_exact).norm() / float_exact.norm() < 0.02
 
 
+@contextlib.contextmanager
+def kernel_settings(isa: str, numerics: str):
+    """The kernels on one instruction set in one numerics (kernels.cpp), then back to this machine's own."""
+    ops = kernels()
+    own = ops.isa(), ops.numerics()
+    try:
+        ops.set_isa("avx2")  # neither AMX nor its numerics constraint while switching
+        ops.set_numerics(numerics)
+        ops.set_isa(isa)
+        yield
+    finally:
+        ops.set_isa("avx2")
+        ops.set_numerics(own[1])
+        ops.set_isa(own[0])
+
+
+def isas_of_this_cpu(numerics: str) -> list[str]:
+    """The instruction sets this CPU runs a numerics on: AVX2 always, VNNI where it has it, AMX (totals only)."""
+    isas = ["avx2", "vnni", "amx"]
+    best = isas.index(kernels().isa()) if kernels().isa() != "amx" else (2 if numerics == "totals" else 1)
+    return isas[: best + 1]
+
+
+@pytest.mark.parametrize("numerics", ["lanes", "totals"])
 @pytest.mark.parametrize("spec,name", TENSORS, ids=lambda v: v)
-def test_kernel_rows_are_bit_identical_at_every_row_count_and_beside_any_rows(spec, name):
+def test_kernel_rows_are_bit_identical_at_every_row_count_and_beside_any_rows(spec, name, numerics):
     weight, _, _ = packed_slice(spec, name)
     layer = QuantizedLinear(weight)
-    x = torch.randn(17, weight.in_features, generator=torch.Generator().manual_seed(1))
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(17)])
-    for rows in range(1, 18):
-        assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
-    order = torch.randperm(17, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(layer(x[order]), alone[order])
+    # Up to 40 rows: the AMX tiles (16 rows and more, where the CPU has them) in pairs of row tiles and alone.
+    x = torch.randn(40, weight.in_features, generator=torch.Generator().manual_seed(1))
+    with kernel_settings(isas_of_this_cpu(numerics)[-1], numerics):
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+        for rows in [*range(1, 18), 31, 32, 33, 40]:
+            assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+        order = torch.randperm(40, generator=torch.Generator().manual_seed(2))
+        assert torch.equal(layer(x[order]), alone[order])
     # The test can fail: a different row gives a different result.
     assert not torch.equal(alone[0], alone[1])
 
 
+@pytest.mark.parametrize("numerics", ["lanes", "totals"])
 @pytest.mark.parametrize("spec,name", TENSORS, ids=lambda v: v)
-def test_the_avx2_and_vnni_kernels_agree_bit_for_bit(spec, name):
-    if kernels().isa() != "vnni":
-        pytest.skip("this CPU has no AVX512-VNNI: it runs the AVX2 kernels only")
+def test_every_instruction_set_computes_the_same_bits(spec, name, numerics):
+    """AVX2, AVX512-VNNI and AMX (those this CPU has) agree bit for bit at every row count in each numerics, so which
+    one a machine runs never changes a result."""
+    isas = isas_of_this_cpu(numerics)
+    if len(isas) == 1:
+        pytest.skip("this CPU has AVX2 only: there is nothing to compare")
     weight, _, _ = packed_slice(spec, name)
     layer = QuantizedLinear(weight)
-    x = torch.randn(11, weight.in_features, generator=torch.Generator().manual_seed(3))
-    on_vnni = [layer(x[:rows]) for rows in (1, 2, 3, 11)]
-    kernels().set_isa("avx2")
-    try:
-        on_avx2 = [layer(x[:rows]) for rows in (1, 2, 3, 11)]
-    finally:
-        kernels().set_isa("vnni")
-    for a, b in zip(on_vnni, on_avx2, strict=True):
-        assert torch.equal(a, b)
+    x = torch.randn(40, weight.in_features, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for isa in isas:
+        with kernel_settings(isa, numerics):
+            results[isa] = [layer(x[:rows]) for rows in (1, 2, 3, 11, 16, 17, 40)]
+    for isa in isas[1:]:
+        for a, b in zip(results["avx2"], results[isa], strict=True):
+            assert torch.equal(a, b), isa
+
+
+def test_the_two_numerics_differ_only_in_float_rounding():
+    """Lanes and totals are two orders of the same float sums: their results differ (so the settings take effect), by
+    float32 rounding only."""
+    weight, _, _ = packed_slice("qwen2.5-coder-1.5b", "blk.0.ffn_gate.weight")
+    layer = QuantizedLinear(weight)
+    x = torch.randn(5, weight.in_features, generator=torch.Generator().manual_seed(4))
+    with kernel_settings("avx2", "lanes"):
+        lanes = layer(x)
+    with kernel_settings("avx2", "totals"):
+        totals = layer(x)
+    assert not torch.equal(lanes, totals)
+    assert (lanes - totals).abs().max() <= 1e-5 * lanes.abs().max()
 
 
 def test_the_tensor_index_reads_what_ggufs_own_reader_reads():

@@ -23,33 +23,131 @@ struct RowTile {
 // codes [N, K/2]: in each 64 weights, byte i holds weight i (low nibble) and weight 32 + i (high nibble).
 // w = d * sc[g] * code - dmin * mn[g].
 
-// One row's float accumulation over the superblocks, from each superblock's exact integer sums: written once, so
-// that every Q4_K kernel (256- and 512-bit) runs the very same float operations.
-struct Q4KSum {
-    __m256 acc = _mm256_setzero_ps();
-    __m128 acc_min = _mm_setzero_ps();
-    // isum: the superblock's int32 lanes; mins: its 8 group mins as int16; sums: the row's code sums of those groups.
-    void add(__m256i isum, __m128i mins, const int16_t* sums, float d_scale, float dmin_scale) {
-        // The mins' term, sum over the 8 groups of mn[g] * (sum of the row's codes in g), as 4 int32 lanes.
-        const __m128i imin = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)sums));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d_scale), acc);
-        acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_set1_ps(dmin_scale), acc_min);
+// The float accumulation of Q4_K and Q6_K, in one of two numerics (Numerics in kernels.cpp), each written once for
+// every kernel that runs it:
+//   Lanes   each superblock's 8 int32 lanes (the partial sums the 256-bit products leave) converted and added
+//           into 8 float lanes per row, one fused multiply-add each; the lanes summed once at the end. No
+//           horizontal work per superblock: the cheapest on the row kernels, the numerics of machines without AMX.
+//   Totals  each superblock's integer sums reduced to one int32 per row first (exact in any order), then one
+//           fused multiply-add per row and superblock, acc = total * (d * the row's activation scale) + acc, in the
+//           order of the superblocks; a tile's rows in one vector, a row per lane. AMX's tile products yield whole
+//           totals, not the row kernels' lanes, so on machines with AMX every kernel runs these.
+// A lane's operations are the same whatever the other lanes hold, so within one numerics every kernel (256- and
+// 512-bit, AMX) and every row count gives each row the same bits.
+
+// [sum of v[0]'s lanes, ..., sum of v[R - 1]'s, 0, ...]: a tile's superblock totals, one row per lane (exact).
+template <int R>
+inline __m256i row_totals(const __m256i* v) {
+    static_assert(R >= 1 && R <= 8, "one lane per row");
+    __m256i w[8];
+    for (int r = 0; r < 8; ++r) w[r] = r < R ? v[r] : _mm256_setzero_si256();
+    const __m256i t0 = _mm256_hadd_epi32(w[0], w[1]), t1 = _mm256_hadd_epi32(w[2], w[3]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1);  // rows 0-3: [lanes 0-3 | lanes 4-7]
+    if constexpr (R <= 4)
+        return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(u0), _mm256_extracti128_si256(u0, 1)));
+    const __m256i t2 = _mm256_hadd_epi32(w[4], w[5]), t3 = _mm256_hadd_epi32(w[6], w[7]);
+    const __m256i u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// d * each row's activation scale of superblock s, one row per lane: the multiplier of every row's step.
+template <int R>
+inline __m256 row_scales(float d, const RowTile<R>& x, int64_t s) {
+    alignas(32) float scales[8] = {};
+    for (int r = 0; r < R; ++r) scales[r] = x.scale[r][s];
+    return _mm256_mul_ps(_mm256_set1_ps(d), _mm256_load_ps(scales));
+}
+
+template <int R>
+inline void store_rows(__m256 v, int64_t n, float* out[R]) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    for (int r = 0; r < R; ++r) out[r][n] = lanes[r];
+}
+
+// One superblock's step for a tile's rows: lanes[r], row r's int32 lanes of the superblock.
+template <int R>
+inline __m256 rows_step(__m256 acc, const __m256i* lanes, float d, const RowTile<R>& x, int64_t s) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<R>(lanes)), row_scales<R>(d, x, s), acc);
+}
+
+// Q4_K's mins term of a superblock for each row: the sum over its 8 groups of mn[g] * (the row's code sum in g), as
+// int32 lanes (row_totals adds them up).
+template <int R>
+inline void q4k_min_lanes(__m128i mins, const RowTile<R>& x, int64_t s, __m256i* out) {
+    for (int r = 0; r < R; ++r)
+        out[r] = _mm256_zextsi128_si256(_mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(x.sums[r] + s * 8))));
+}
+
+template <int R, class N>
+struct Q4KAcc;
+
+// Q4_K in Lanes: per row, 8 float lanes of the products' term and 4 of the mins'.
+template <int R>
+struct Q4KAcc<R, Lanes> {
+    __m256 acc[R];
+    __m128 acc_min[R];
+    Q4KAcc() {
+        for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_min[r] = _mm_setzero_ps(); }
     }
-    float result() const {
-        __m128 t = _mm_add_ps(acc_min, _mm_movehl_ps(acc_min, acc_min));
-        t = _mm_add_ss(t, _mm_movehdup_ps(t));
-        return hsum_f32(acc) - _mm_cvtss_f32(t);
+    // isum[r]: row r's int32 lanes of superblock s; mins: its 8 group mins as int16.
+    void add(const __m256i* isum, __m128i mins, const RowTile<R>& x, int64_t s, float d, float dmin) {
+        for (int r = 0; r < R; ++r) {
+            // The mins' term, sum over the 8 groups of mn[g] * (sum of the row's codes in g), as 4 int32 lanes.
+            const __m128i imin = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(x.sums[r] + s * 8)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * x.scale[r][s]), acc[r]);
+            acc_min[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_set1_ps(dmin * x.scale[r][s]), acc_min[r]);
+        }
+    }
+    void store(float** out, int64_t n) const {
+        for (int r = 0; r < R; ++r) {
+            __m128 t = _mm_add_ps(acc_min[r], _mm_movehl_ps(acc_min[r], acc_min[r]));
+            t = _mm_add_ss(t, _mm_movehdup_ps(t));
+            out[r][n] = hsum_f32(acc[r]) - _mm_cvtss_f32(t);
+        }
     }
 };
 
+// Q4_K in Totals: both terms' totals, a row per lane.
 template <int R>
+struct Q4KAcc<R, Totals> {
+    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+    void add(const __m256i* isum, __m128i mins, const RowTile<R>& x, int64_t s, float d, float dmin) {
+        __m256i min_lanes[R];
+        q4k_min_lanes<R>(mins, x, s, min_lanes);
+        if constexpr (R <= 4) {
+            // Both terms of up to 4 rows in one vector, acc's in lanes 0..R-1 and acc_min's in R..2R-1: one
+            // reduction and one fused multiply-add where rows_step would take two (the same operations per lane).
+            __m256i both[2 * R];
+            alignas(32) float scales[8] = {};
+            for (int r = 0; r < R; ++r) {
+                both[r] = isum[r];
+                both[R + r] = min_lanes[r];
+                scales[r] = d * x.scale[r][s];
+                scales[R + r] = dmin * x.scale[r][s];
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<2 * R>(both)), _mm256_load_ps(scales), acc);
+        } else {
+            acc = rows_step<R>(acc, isum, d, x, s);
+            acc_min = rows_step<R>(acc_min, min_lanes, dmin, x, s);
+        }
+    }
+    void store(float** out, int64_t n) const {
+        alignas(32) float lanes[8], min_lanes[8];
+        _mm256_store_ps(lanes, acc);
+        _mm256_store_ps(min_lanes, acc_min);
+        for (int r = 0; r < R; ++r) out[r][n] = R <= 4 ? lanes[r] - lanes[R + r] : lanes[r] - min_lanes[r];
+    }
+};
+
+template <int R, class N>
 void q4k_rows(const Q4K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const Q4K w = weights.row(n);
     prefetch(w.codes + kPrefetchAhead * (w.k / 2), w.k / 2);
     const int64_t superblocks = w.k / 256;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const RowTile<R> x(a, rows);
-    Q4KSum total[R];
+    Q4KAcc<R, N> acc;
     for (int64_t s = 0; s < superblocks; ++s) {
         __m256i isum[R], isum2[R];  // isum2: a second chain for few rows (see kSplit)
         for (int r = 0; r < R; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
@@ -74,12 +172,11 @@ void q4k_rows(const Q4K& weights, int64_t n, const QuantizedRows& a, const int64
             }
         }
         const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.mn + s * 8)));
-        for (int r = 0; r < R; ++r) {
-            if constexpr (R <= kSplit) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
-            total[r].add(isum[r], mins, x.sums[r] + s * 8, w.d[s] * x.scale[r][s], w.dmin[s] * x.scale[r][s]);
-        }
+        if constexpr (R <= kSplit)
+            for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
+        acc.add(isum, mins, x, s, w.d[s], w.dmin[s]);
     }
-    for (int r = 0; r < R; ++r) out[r][n] = total[r].result();
+    acc.store(out, n);
 }
 
 // ---- Q6_K: 6-bit codes (0..63, weight = code - 32) as the file packs them; per 16: int8 scale; per 256: d ------
@@ -94,12 +191,30 @@ inline __m256i q6k_offset(__m256i scales16, const int16_t* sums) {
     return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
 }
 
-// A superblock's float step, written once for every Q6_K kernel.
-inline __m256 q6k_add(__m256 acc, __m256i isum, float d_scale) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d_scale), acc);
-}
 
+template <int R, class N>
+struct Q6KAcc;
+
+// Q6_K in Lanes: 8 float lanes per row.
 template <int R>
+struct Q6KAcc<R, Lanes> {
+    __m256 acc[R];
+    Q6KAcc() { for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(); }
+    void add(const __m256i* isum, const RowTile<R>& x, int64_t s, float d) {
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * x.scale[r][s]), acc[r]);
+    }
+    void store(float** out, int64_t n) const { for (int r = 0; r < R; ++r) out[r][n] = hsum_f32(acc[r]); }
+};
+
+// Q6_K in Totals: a row per lane.
+template <int R>
+struct Q6KAcc<R, Totals> {
+    __m256 acc = _mm256_setzero_ps();
+    void add(const __m256i* isum, const RowTile<R>& x, int64_t s, float d) { acc = rows_step<R>(acc, isum, d, x, s); }
+    void store(float** out, int64_t n) const { store_rows<R>(acc, n, out); }
+};
+
+template <int R, class N>
 void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const Q6K w = weights.row(n);
     prefetch(w.ql + kPrefetchAhead * (w.k / 2), w.k / 2);
@@ -111,8 +226,7 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
     const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     const RowTile<R> x(a, rows);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    Q6KAcc<R, N> acc;
     for (int64_t s = 0; s < superblocks; ++s) {
         __m256i isum[R], isum2[R];  // isum2: a second chain for few rows (see kSplit)
         // int16 lane g = sc[g]; int32 element c therefore holds the scales of chunk c's two groups, 2c and 2c + 1.
@@ -143,12 +257,11 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
                 }
             }
         }
-        for (int r = 0; r < R; ++r) {
-            if constexpr (R <= kSplit) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
-            acc[r] = q6k_add(acc[r], isum[r], w.d[s] * x.scale[r][s]);
-        }
+        if constexpr (R <= kSplit)
+            for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
+        acc.add(isum, x, s, w.d[s]);
     }
-    for (int r = 0; r < R; ++r) out[r][n] = hsum_f32(acc[r]);
+    acc.store(out, n);
 }
 
 // ---- Q4_1: 4-bit codes (layout as Q4_K's), per 32: d and m; w = d * code + m ----------------------------------
@@ -212,34 +325,38 @@ void q80_rows(const Q80& w, int64_t n, const QuantizedRows& a, const int64_t* ro
 #endif
 
 // A tile of R rows: full tiles of Q4_K and Q6_K on 512-bit vectors where the namespace has them (same results).
-template <int R>
+template <int R, class N>
 void q4k_tile(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
 #ifdef SPECDEC_WIDE_TILES
-    if constexpr (R == kRowTile) return q4k_rows_wide<R>(w, n, a, rows, out);
+    if constexpr (R == kRowTile) return q4k_rows_wide<R, N>(w, n, a, rows, out);
 #endif
-    q4k_rows<R>(w, n, a, rows, out);
+    q4k_rows<R, N>(w, n, a, rows, out);
 }
 
-template <int R>
+template <int R, class N>
 void q6k_tile(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
 #ifdef SPECDEC_WIDE_TILES
-    if constexpr (R == kRowTile) return q6k_rows_wide<R>(w, n, a, rows, out);
+    if constexpr (R == kRowTile) return q6k_rows_wide<R, N>(w, n, a, rows, out);
 #endif
-    q6k_rows<R>(w, n, a, rows, out);
+    q6k_rows<R, N>(w, n, a, rows, out);
 }
 
-#define SPECDEC_KERNEL(name, fn)                                                                    \
-    template <int R> struct name {                                                                  \
-        template <typename W>                                                                       \
-        static void run(const W& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { \
-            fn<R>(w, n, a, rows, out);                                                              \
-        }                                                                                           \
+// Kernel<R>::run for each format and numerics (Q4_1, Q8_0 and Q5_0 have one numerics of their own).
+template <class N>
+struct KernelsOf {
+    template <int R> struct Q4K_ {
+        static void run(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q4k_tile<R, N>(w, n, a, rows, out); }
     };
-SPECDEC_KERNEL(Q4KKernel, q4k_tile)
-SPECDEC_KERNEL(Q6KKernel, q6k_tile)
-SPECDEC_KERNEL(Q41Kernel, q41_rows)
-SPECDEC_KERNEL(Q80Kernel, q80_rows)
-#undef SPECDEC_KERNEL
+    template <int R> struct Q6K_ {
+        static void run(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q6k_tile<R, N>(w, n, a, rows, out); }
+    };
+};
+template <int R> struct Q41Kernel {
+    static void run(const Q41& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q41_rows<R>(w, n, a, rows, out); }
+};
+template <int R> struct Q80Kernel {
+    static void run(const Q80& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q80_rows<R>(w, n, a, rows, out); }
+};
 
 // The last rows - rows % kRowTile rows, in one tile of their own.
 template <template <int> class Kernel, typename W, int R = kRowTile - 1>
@@ -275,7 +392,9 @@ void matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_featur
     });
 }
 
-inline void q4k(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<Q4KKernel>(w, a, rows, n, y); }
-inline void q6k(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<Q6KKernel>(w, a, rows, n, y); }
+template <class N>
+void q4k(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<KernelsOf<N>::template Q4K_>(w, a, rows, n, y); }
+template <class N>
+void q6k(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<KernelsOf<N>::template Q6K_>(w, a, rows, n, y); }
 inline void q41(const Q41& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<Q41Kernel>(w, a, rows, n, y); }
 inline void q80(const Q80& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<Q80Kernel>(w, a, rows, n, y); }

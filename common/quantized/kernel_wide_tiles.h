@@ -5,46 +5,12 @@
 // Bit for bit the same results as the 256-bit kernels: the low 256 bits accumulate exactly the int32 lanes the
 // 256-bit kernel accumulates for one chunk of each pair, the high 256 bits those of the other. Their sum, taken
 // once per superblock, is therefore the very integer vector the 256-bit kernel holds there (integer addition is
-// exact in any order), and the float operations after it are the same code. Q4_K's float steps run on two rows at
-// once (Q4KPairSum: row a's lanes in the low half of a register, row b's in the high half): each lane still runs
-// Q4KSum's operations, in its order, on its own values, so pairing changes no result (0.93-0.97x the time of a
-// pass over 8, 16 and 64 rows of the 1.5B, measured against one row per register).
+// exact in any order), and the float steps are the row kernels' (Q4KAcc, Q6KAcc in kernel_rows.h).
 
 // The 8 int32 lanes of the 256-bit kernel: the low half's lanes plus the high half's.
 inline __m256i halves_added(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
 
-// Two rows' Q4KSum in one register each, row a's lanes in the low half and row b's in the high half: every lane runs
-// the very operations of Q4KSum::add, so row(i) is the Q4KSum that row would have accumulated alone.
-struct Q4KPairSum {
-    __m512 acc;
-    __m256 acc_min;
-    Q4KPairSum() : acc(_mm512_setzero_ps()), acc_min(_mm256_setzero_ps()) {}
-    // isum: [row a's 8 int32 lanes | row b's], as halves_added gives them for each row.
-    void add(__m512i isum, __m128i mins, const int16_t* sums_a, const int16_t* sums_b, float d, float dmin, float scale_a,
-             float scale_b) {
-        const __m256i sums = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)sums_a)),
-                                                     _mm_loadu_si128((const __m128i*)sums_b), 1);
-        const __m256i imin = _mm256_madd_epi16(_mm256_broadcastsi128_si256(mins), sums);
-        const __m512 d_scale = _mm512_castpd_ps(
-            _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(d * scale_a)), _mm256_castps_pd(_mm256_set1_ps(d * scale_b)), 1));
-        const __m256 dmin_scale = _mm256_insertf128_ps(_mm256_set1_ps(dmin * scale_a), _mm_set1_ps(dmin * scale_b), 1);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), d_scale, acc);
-        acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), dmin_scale, acc_min);
-    }
-    Q4KSum row(int i) const {
-        Q4KSum one;
-        one.acc = i ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)) : _mm512_castps512_ps256(acc);
-        one.acc_min = i ? _mm256_extractf128_ps(acc_min, 1) : _mm256_castps256_ps128(acc_min);
-        return one;
-    }
-};
-
-// [halves_added(a) | halves_added(b)]
-inline __m512i pair_halves_added(__m512i a, __m512i b) {
-    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-}
-
-template <int R>
+template <int R, class N>
 void q4k_rows_wide(const Q4K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const Q4K w = weights.row(n);
     const int64_t superblocks = w.k / 256;
@@ -53,8 +19,7 @@ void q4k_rows_wide(const Q4K& weights, int64_t n, const QuantizedRows& a, const 
     // its high nibbles (64c+32..64c+63), so the activations of the whole chunk are one contiguous 64-byte load.
     const __m512i nibble = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     const RowTile<R> x(a, rows);
-    static_assert(R % 2 == 0, "rows go in pairs");
-    Q4KPairSum total[R / 2];
+    Q4KAcc<R, N> acc;
     for (int64_t s = 0; s < superblocks; ++s) {
         __m512i isum[R];
         for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
@@ -72,17 +37,17 @@ void q4k_rows_wide(const Q4K& weights, int64_t n, const QuantizedRows& a, const 
             }
         }
         const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.mn + s * 8)));
-        for (int r = 0; r < R; r += 2)
-            total[r / 2].add(pair_halves_added(isum[r], isum[r + 1]), mins, x.sums[r] + s * 8, x.sums[r + 1] + s * 8, w.d[s],
-                             w.dmin[s], x.scale[r][s], x.scale[r + 1][s]);
+        __m256i lanes[R];
+        for (int r = 0; r < R; ++r) lanes[r] = halves_added(isum[r]);
+        acc.add(lanes, mins, x, s, w.d[s], w.dmin[s]);
     }
-    for (int r = 0; r < R; ++r) out[r][n] = total[r / 2].row(r % 2).result();
+    acc.store(out, n);
 }
 
 alignas(64) constexpr int16_t kLaneGroup[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};  // int16 lane / 8
 
-template <int R>
+template <int R, class N>
 void q6k_rows_wide(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const Q6K w = weights.row(n);
     const int64_t superblocks = w.k / 256;
@@ -93,8 +58,7 @@ void q6k_rows_wide(const Q6K& weights, int64_t n, const QuantizedRows& a, const 
     const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     const __m512i lane_group = _mm512_loadu_si512((const void*)kLaneGroup);
     const RowTile<R> x(a, rows);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    Q6KAcc<R, N> acc;
     for (int64_t s = 0; s < superblocks; ++s) {
         __m512i isum[R];
         for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
@@ -118,10 +82,9 @@ void q6k_rows_wide(const Q6K& weights, int64_t n, const QuantizedRows& a, const 
                 }
             }
         }
-        for (int r = 0; r < R; ++r) {
-            const __m256i total = _mm256_add_epi32(q6k_offset(scales16, x.sums[r] + s * 16), halves_added(isum[r]));
-            acc[r] = q6k_add(acc[r], total, w.d[s] * x.scale[r][s]);
-        }
+        __m256i lanes[R];
+        for (int r = 0; r < R; ++r) lanes[r] = _mm256_add_epi32(q6k_offset(scales16, x.sums[r] + s * 16), halves_added(isum[r]));
+        acc.add(lanes, x, s, w.d[s]);
     }
-    for (int r = 0; r < R; ++r) out[r][n] = hsum_f32(acc[r]);
+    acc.store(out, n);
 }

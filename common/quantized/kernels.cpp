@@ -1,5 +1,6 @@
 // Matrix products on GGUF's own quantized weights (Q4_K, Q6_K, Q4_1, Q8_0, Q5_0), AVX2 (AVX512-VNNI where the CPU
-// has it), batch-invariant by construction.
+// has it, and AMX tiles for Q4_K and Q6_K passes of 16 rows or more where it has those), batch-invariant by
+// construction.
 //
 // y[r, n] = sum_k W[n, k] x[r, k]. Each activation row is quantized on its own to int8 (one scale per block of
 // 256 values for the K-quant formats, of 32 for the others, as llama.cpp's Q8_K and Q8_0 do), the products are
@@ -7,7 +8,8 @@
 // whatever the number of rows in the call: the rows of a call only share the loading and unpacking of the
 // weights, never an accumulator, and threads split the output columns, never the sum. A row's result is
 // therefore bit-identical alone, in a call of any row count and beside any other rows. Integer sums are exact,
-// so the AVX2 and VNNI paths of a format agree bit for bit too (the row kernels are in kernel_rows.h).
+// so the AVX2, VNNI and AMX paths of a format agree bit for bit too (the row kernels are in kernel_rows.h, the
+// tiles in kernel_amx.h; Q4_K and Q6_K have two float numerics, see Lanes and Totals below).
 //
 // Compiled with -ffp-contract=off: the compiler must not fuse the scalar multiply-adds differently in the
 // instantiations for different row tiles.
@@ -15,8 +17,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -61,13 +66,6 @@ struct QuantizedRows {
     const int16_t* row_sums(int64_t r) const { return &sums[r * groups]; }
 };
 
-inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s);
-}
-
 inline float hsum_f32(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -108,6 +106,11 @@ struct Q80 { const int8_t* codes; const float* d; int64_t k; };
 
 #include "decoder_ops.h"
 
+// The two float numerics of Q4_K and Q6_K (kernel_rows.h explains them): Totals where AMX runs the products, Lanes
+// elsewhere. One process computes in one of them (totals_in_use), whatever the instruction set and row count.
+struct Lanes {};
+struct Totals {};
+
 // ---- the kernels, once per instruction set ------------------------------------------------------------------
 
 namespace avx2 {
@@ -131,34 +134,85 @@ inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_se
 }  // namespace vnni
 #pragma GCC pop_options
 
-// The instruction set the products run on: "vnni" where the CPU has AVX512-VNNI (Ice Lake and later Xeons, AMD Zen 4
-// and later), else "avx2"; set_isa("avx2") forces the AVX2 path (the tests compare the two).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
+namespace amx {
+#include "kernel_amx.h"
+}  // namespace amx
+#pragma GCC pop_options
+
+// The instruction set the products run on: "amx" where the CPU has AMX-INT8 and the kernel lets this process use
+// its tiles (calls of at least kAmxMinRows rows go to the tiles, fewer to the VNNI row kernels), else "vnni" where
+// it has AVX512-VNNI (Ice Lake and later Xeons, AMD Zen 4 and later), else "avx2"; set_isa forces a lesser one
+// (the tests compare them). All compute the same results bit for bit.
 bool cpu_has_vnni() {  // what the vnni namespace is compiled for
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
 }
 
-bool use_vnni = cpu_has_vnni();
-
-std::string isa() { return use_vnni ? "vnni" : "avx2"; }
-
-void set_isa(const std::string& name) {
-    TORCH_CHECK(name == "avx2" || name == "vnni", "isa must be avx2 or vnni, not ", name);
-    TORCH_CHECK(name == "avx2" || cpu_has_vnni(), "this CPU lacks AVX512-VNNI");
-    use_vnni = name == "vnni";
+// Linux hands out AMX's tile state only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); without it the first tile instruction raises SIGILL.
+bool amx_permitted() {
+    static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return permitted;
 }
 
-// y = x W^T for one format: the rows quantized once, then the product on the chosen instruction set.
+bool cpu_has_amx() {
+    return cpu_has_vnni() && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted();
+}
+
+// Below this many rows the VNNI kernels are faster than a tile pass, whose unpacking of the weights costs the same
+// for 1 row as for 16 (the 1.5B's 8960 x 1536 Q4_K block: 1.5x the VNNI kernels' time at 8 rows, 0.9x at 16, 0.35x
+// at 256; its 1536 x 8960 Q6_K block 1.0x at 16, 0.5x at 256).
+constexpr int64_t kAmxMinRows = 16;
+
+enum class Isa { avx2, vnni, amx };
+Isa isa_in_use = cpu_has_amx() ? Isa::amx : cpu_has_vnni() ? Isa::vnni : Isa::avx2;
+// Totals where the tiles can run: their products come as whole superblock totals. Elsewhere Lanes, which costs the
+// row kernels less (Totals took 1.06-1.14x the time of a 1-8 row pass of the 1.5B, measured).
+bool totals_in_use = cpu_has_amx();
+
+std::string isa() { return isa_in_use == Isa::amx ? "amx" : isa_in_use == Isa::vnni ? "vnni" : "avx2"; }
+std::string numerics() { return totals_in_use ? "totals" : "lanes"; }
+
+void set_isa(const std::string& name) {
+    TORCH_CHECK(name == "avx2" || name == "vnni" || name == "amx", "isa must be avx2, vnni or amx, not ", name);
+    TORCH_CHECK(name == "avx2" || cpu_has_vnni(), "this CPU lacks AVX512-VNNI");
+    TORCH_CHECK(name != "amx" || cpu_has_amx(), "this CPU (or this kernel) gives no AMX tiles");
+    TORCH_CHECK(name != "amx" || totals_in_use, "AMX computes in the totals numerics: set_numerics('totals') first");
+    isa_in_use = name == "amx" ? Isa::amx : name == "vnni" ? Isa::vnni : Isa::avx2;
+}
+
+// For the tests: both numerics are batch-invariant on every instruction set; only AMX needs Totals.
+void set_numerics(const std::string& name) {
+    TORCH_CHECK(name == "lanes" || name == "totals", "numerics must be lanes or totals, not ", name);
+    TORCH_CHECK(name == "totals" || isa_in_use != Isa::amx, "AMX computes in the totals numerics: set_isa('vnni') first");
+    totals_in_use = name == "totals";
+}
+
 template <typename W>
-torch::Tensor product(const W& w, const torch::Tensor& x, int64_t out_features, int block, int group,
-                      void (*on_avx2)(const W&, const QuantizedRows&, int64_t, int64_t, float*),
-                      void (*on_vnni)(const W&, const QuantizedRows&, int64_t, int64_t, float*)) {
+using KernelFn = void (*)(const W&, const QuantizedRows&, int64_t, int64_t, float*);
+
+// A format's kernels: on each instruction set in each numerics, and on AMX (Totals; none for the formats without).
+template <typename W>
+struct FormatKernels {
+    KernelFn<W> avx2_lanes, vnni_lanes, avx2_totals, vnni_totals, amx = nullptr;
+    KernelFn<W> pick(int64_t rows) const {
+        if (isa_in_use == Isa::amx && amx && rows >= kAmxMinRows) return amx;
+        if (isa_in_use == Isa::avx2) return totals_in_use ? avx2_totals : avx2_lanes;
+        return totals_in_use ? vnni_totals : vnni_lanes;
+    }
+};
+
+// y = x W^T for one format: the rows quantized once, then the product on the chosen kernel.
+template <typename W>
+torch::Tensor product(const W& w, const torch::Tensor& x, int64_t out_features, int block, int group, const FormatKernels<W>& kernels) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [rows, K] float32");
     TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " features, the weight ", w.k);
     const int64_t rows = x.size(0);
     auto y = torch::empty({rows, out_features}, x.options());
     if (rows == 0) return y;
     QuantizedRows a(x.data_ptr<float>(), rows, w.k, block, group);
-    (use_vnni ? on_vnni : on_avx2)(w, a, rows, out_features, y.data_ptr<float>());
+    kernels.pick(rows)(w, a, rows, out_features, y.data_ptr<float>());
     return y;
 }
 
@@ -176,7 +230,7 @@ torch::Tensor q4k_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc,
     check_weight(d, torch::kFloat32, n, k / 256, "d");
     check_weight(dmin, torch::kFloat32, n, k / 256, "dmin");
     Q4K w{codes.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(), dmin.data_ptr<float>(), k};
-    return product(w, x, n, 256, 32, &avx2::q4k, &vnni::q4k);
+    return product(w, x, n, 256, 32, FormatKernels<Q4K>{&avx2::q4k<Lanes>, &vnni::q4k<Lanes>, &avx2::q4k<Totals>, &vnni::q4k<Totals>, &amx::q4k});
 }
 
 torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor ql, torch::Tensor qh, torch::Tensor sc, torch::Tensor d, int64_t n,
@@ -187,7 +241,7 @@ torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor ql, torch::Tensor qh, to
     check_weight(sc, torch::kInt8, n, k / 16, "sc");
     check_weight(d, torch::kFloat32, n, k / 256, "d");
     Q6K w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), k};
-    return product(w, x, n, 256, 16, &avx2::q6k, &vnni::q6k);
+    return product(w, x, n, 256, 16, FormatKernels<Q6K>{&avx2::q6k<Lanes>, &vnni::q6k<Lanes>, &avx2::q6k<Totals>, &vnni::q6k<Totals>, &amx::q6k});
 }
 
 torch::Tensor q41_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t n, int64_t k) {
@@ -196,7 +250,7 @@ torch::Tensor q41_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
     check_weight(d, torch::kFloat32, n, k / 32, "d");
     check_weight(m, torch::kFloat32, n, k / 32, "m");
     Q41 w{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), k};
-    return product(w, x, n, 32, 32, &avx2::q41, &vnni::q41);
+    return product(w, x, n, 32, 32, FormatKernels<Q41>{&avx2::q41, &vnni::q41, &avx2::q41, &vnni::q41});
 }
 
 torch::Tensor q80_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, int64_t n, int64_t k) {
@@ -204,7 +258,7 @@ torch::Tensor q80_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
     check_weight(codes, torch::kInt8, n, k, "codes");
     check_weight(d, torch::kFloat32, n, k / 32, "d");
     Q80 w{codes.data_ptr<int8_t>(), d.data_ptr<float>(), k};
-    return product(w, x, n, 32, 32, &avx2::q80, &vnni::q80);
+    return product(w, x, n, 32, 32, FormatKernels<Q80>{&avx2::q80, &vnni::q80, &avx2::q80, &vnni::q80});
 }
 
 // The activation quantization alone, for the tests' float64 reference: (codes, scales).
@@ -231,4 +285,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("attend_sessions", &attend_sessions);
     m.def("isa", &isa);
     m.def("set_isa", &set_isa);
+    m.def("numerics", &numerics);
+    m.def("set_numerics", &set_numerics);
 }
