@@ -422,7 +422,7 @@ class RequestRun:
             self.engine.target.forward_costs,
             draft.forward_costs if draft else [],
             self.config.max_num_speculative_tokens,
-            acceptance=AcceptanceEstimate(prior=speed.prior()),
+            acceptance=AcceptanceEstimate(prior=speed.prior(model_free=not (draft and draft.forward_costs))),
             target_scale=speed.target_scale,
             row_scales=speed.row_scales,
             draft_scale=speed.draft_scale,

@@ -102,8 +102,15 @@ class MeasuredSpeed:
     # What asking the draft costs a round beyond its compute: the exchange's transport, handling and queueing.
     draft_exchange: RunningMean = field(default_factory=RunningMean)
 
-    def prior(self) -> float:
-        return self.acceptance.rate
+    def prior(self, model_free: bool) -> float:
+        """Where a new request's acceptance estimate starts. A model draft's acceptance is much the same from one
+        request to the next (how well two models agree): the deployment's recent rate. A model-free draft's
+        (prompt lookup) belongs to each request's own text: an answer that copies its input accepts most proposals,
+        a new program almost none, so what earlier requests saw must not stop a request from trying. It starts at
+        least at the neutral prior: a few rounds then show which kind of request it is (measured on the 1.5B pair's
+        128-token suite: after a run of code prompts the deployment's rate had fallen so far that the input-grounded
+        prompts of the second repeat drafted 2-4 tokens each instead of 79, and ran 0.9x target-only)."""
+        return self.acceptance.rate if not model_free else max(self.acceptance.rate, PRIOR_ACCEPTANCE)
 
     def forget_draft(self) -> None:
         """A new draft worker: what was learned with the previous one (its speed against its curve, how often its

@@ -115,6 +115,25 @@ def test_acceptance_estimate_follows_recent_rounds_and_returns_to_the_prior_when
     assert estimate.rate > 0.45
 
 
+def test_a_model_free_draft_is_tried_on_every_request_whatever_earlier_requests_accepted():
+    """Prompt lookup's acceptance belongs to each request's text: after many requests whose proposals all failed
+    (code), a new request (perhaps one that copies its input) still drafts at first, and stops once its own rounds
+    miss. A model draft's new request starts from the deployment's rate and does not draft."""
+    speed = MeasuredSpeed()
+    for _ in range(400):  # earlier requests' rounds: every proposal rejected
+        speed.acceptance.update(drafted=4, accepted=0)
+    assert speed.prior(model_free=False) < 0.05
+    model = policy_with(0.0, draft_costs=[(1, 2.0)])
+    model.acceptance = AcceptanceEstimate(prior=speed.prior(model_free=False))
+    assert model.choose(100) == 0
+    free = policy_with(0.0)
+    free.acceptance = AcceptanceEstimate(prior=speed.prior(model_free=True))
+    assert free.choose(100) > 0
+    for _ in range(3):  # this request's own proposals miss too
+        free.observe(drafted=4, accepted=0, verified_tokens=5, verify_us=55_000, batch_size=1, batch_tokens=5)
+    assert free.choose(100) == 0
+
+
 def test_heuristic_schedule_adds_two_after_a_full_acceptance_and_drops_one_otherwise():
     policy = HeuristicPolicy(gamma=4, max_gamma=16)
     policy.observe(drafted=4, accepted=4, verified_tokens=5, verify_us=0, batch_size=1, batch_tokens=5)
