@@ -61,6 +61,12 @@ struct AmxRows {
 // [superblock][chunk of 64][part][16 columns][64 bytes]: a chunk's part is one A operand.
 constexpr int64_t kUnpackedPerSuperblock = 4 * 2 * kTile * kChunk;
 
+// Column m of a last, partial column tile: zero weights, whose products are zero and never stored.
+inline void zero_column(uint8_t* out, int64_t superblocks, int64_t m) {
+    for (int64_t s = 0; s < superblocks; ++s)
+        for (int i = 0; i < 8; ++i) std::memset(out + s * kUnpackedPerSuperblock + (i * kTile + m) * kChunk, 0, kChunk);
+}
+
 // One superblock's tile products for T (1 or 2) tiles of activation rows: the int32 sums of each part into
 // low[t], high[t] (16 columns x 16 rows each).
 template <bool kSigned, int T>
@@ -120,7 +126,7 @@ inline __m512i total(const int32_t (*low)[kTile], const int32_t (*high)[kTile], 
 
 // The driver of both formats: column tiles split over threads; per column tile the weights unpacked once (and the
 // per-column constants of every superblock, Format::Columns), then each pair of row tiles through every
-// superblock's products and float steps. Format supplies unpack(n0, cols, out), columns(c, n0, cols, s), the float
+// superblock's products and float steps. Format supplies unpack_column(n, m, out), columns(c, n0, cols, s), the float
 // state of a row tile (State), step(state, columns, cols, s, low, high, x, t) for one superblock's sums and
 // finish(state, m).
 template <bool kSigned, typename Format>
@@ -135,7 +141,10 @@ void tile_matmul(const Format& f, const AmxRows& x, int64_t rows, int64_t out_fe
         __m512 out[kTile];
         for (int64_t ct = begin; ct < end; ++ct) {
             const int64_t n0 = ct * kTile, cols = std::min<int64_t>(kTile, out_features - n0);
-            f.unpack(n0, cols, unpacked.data());
+            for (int64_t m = 0; m < kTile; ++m) {
+                if (m < cols) f.unpack_column(n0 + m, m, unpacked.data());
+                else zero_column(unpacked.data(), superblocks, m);
+            }
             for (int64_t s = 0; s < superblocks; ++s) f.columns(columns[s], n0, cols, s);
             for (int64_t t = 0; t < x.tiles; t += 2) {
                 const int pair = x.tiles - t >= 2 ? 2 : 1;
@@ -170,37 +179,31 @@ struct Q4KTiles {
         State() { for (int m = 0; m < kTile; ++m) acc[m] = acc_min[m] = _mm512_setzero_ps(); }
     };
 
-    void unpack(int64_t n0, int64_t cols, uint8_t* out) const {
+    // Output column n into column m of the tile's unpacked weights.
+    void unpack_column(int64_t n, int64_t m, uint8_t* out) const {
         const int64_t superblocks = w.k / 256;
         const __m512i low = _mm512_set1_epi8(0x0F);
         const __m512i nibble = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
         const __m512i codes_to_16 = _mm512_loadu_si512((const void*)kEveryCode);
-        for (int64_t m = 0; m < kTile; ++m) {
-            if (m >= cols) {
-                for (int64_t s = 0; s < superblocks; ++s)
-                    for (int i = 0; i < 8; ++i) std::memset(out + s * kUnpackedPerSuperblock + (i * kTile + m) * kChunk, 0, kChunk);
-                continue;
-            }
-            const Q4K col = w.row(n0 + m);
-            for (int64_t s = 0; s < superblocks; ++s) {
-                const __m512i scales = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i*)(col.sc + s * 8))));
-                for (int c = 0; c < 4; ++c) {
-                    // Chunk c: weights 64c..64c+31 (group 2c) as the low nibbles, 64c+32.. (group 2c + 1) the high ones.
-                    const __m512i codes = _mm512_and_si512(
-                        _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(col.codes + s * 128 + c * 32))), nibble), low);
-                    // The products code * sc of every code 0..15 for both groups, as two 16-byte tables per part.
-                    const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((int16_t)(2 * c))),
-                                                            _mm256_set1_epi16((int16_t)(2 * c + 1)), 1);
-                    const __m512i products = _mm512_mullo_epi16(codes_to_16, _mm512_permutexvar_epi16(pick, scales));
-                    const __m512i lo = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(products));
-                    const __m512i hi = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(products, 8)));
-                    // Group 2c's table in 128-bit lanes 0-1 (its codes), group 2c + 1's in lanes 2-3.
-                    const __m512i table_lo = _mm512_shuffle_i64x2(lo, lo, _MM_SHUFFLE(1, 1, 0, 0));
-                    const __m512i table_hi = _mm512_shuffle_i64x2(hi, hi, _MM_SHUFFLE(1, 1, 0, 0));
-                    uint8_t* base = out + s * kUnpackedPerSuperblock + (2 * c * kTile + m) * kChunk;
-                    _mm512_storeu_si512((void*)base, _mm512_shuffle_epi8(table_lo, codes));
-                    _mm512_storeu_si512((void*)(base + kTile * kChunk), _mm512_shuffle_epi8(table_hi, codes));
-                }
+        const Q4K col = w.row(n);
+        for (int64_t s = 0; s < superblocks; ++s) {
+            const __m512i scales = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i*)(col.sc + s * 8))));
+            for (int c = 0; c < 4; ++c) {
+                // Chunk c: weights 64c..64c+31 (group 2c) as the low nibbles, 64c+32.. (group 2c + 1) the high ones.
+                const __m512i codes = _mm512_and_si512(
+                    _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(col.codes + s * 128 + c * 32))), nibble), low);
+                // The products code * sc of every code 0..15 for both groups, as two 16-byte tables per part.
+                const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((int16_t)(2 * c))),
+                                                        _mm256_set1_epi16((int16_t)(2 * c + 1)), 1);
+                const __m512i products = _mm512_mullo_epi16(codes_to_16, _mm512_permutexvar_epi16(pick, scales));
+                const __m512i lo = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(products));
+                const __m512i hi = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(products, 8)));
+                // Group 2c's table in 128-bit lanes 0-1 (its codes), group 2c + 1's in lanes 2-3.
+                const __m512i table_lo = _mm512_shuffle_i64x2(lo, lo, _MM_SHUFFLE(1, 1, 0, 0));
+                const __m512i table_hi = _mm512_shuffle_i64x2(hi, hi, _MM_SHUFFLE(1, 1, 0, 0));
+                uint8_t* base = out + s * kUnpackedPerSuperblock + (2 * c * kTile + m) * kChunk;
+                _mm512_storeu_si512((void*)base, _mm512_shuffle_epi8(table_lo, codes));
+                _mm512_storeu_si512((void*)(base + kTile * kChunk), _mm512_shuffle_epi8(table_hi, codes));
             }
         }
     }
@@ -253,41 +256,27 @@ struct Q6KTiles {
         State() { for (int m = 0; m < kTile; ++m) acc[m] = _mm512_setzero_ps(); }
     };
 
-    void unpack(int64_t n0, int64_t cols, uint8_t* out) const {
+    // Output column n into column m of the tile's unpacked weights.
+    void unpack_column(int64_t n, int64_t m, uint8_t* out) const {
         const int64_t superblocks = w.k / 256;
-        const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30), offset = _mm256_set1_epi8(32);
+        const __m256i offset = _mm256_set1_epi8(32);
         const __m512i seven_bits = _mm512_set1_epi16(127);
         const __m512i group_of_lane = _mm512_loadu_si512((const void*)kGroupOfLane);
-        for (int64_t m = 0; m < kTile; ++m) {
-            if (m >= cols) {
-                for (int64_t s = 0; s < superblocks; ++s)
-                    for (int i = 0; i < 8; ++i) std::memset(out + s * kUnpackedPerSuperblock + (i * kTile + m) * kChunk, 0, kChunk);
-                continue;
-            }
-            const Q6K col = w.row(n0 + m);
-            for (int64_t s = 0; s < superblocks; ++s) {
-                const __m512i scales = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(col.sc + s * 16))));
-                for (int half = 0; half < 2; ++half) {
-                    const __m256i a0 = _mm256_loadu_si256((const __m256i*)(col.ql + (s * 2 + half) * 64));
-                    const __m256i a1 = _mm256_loadu_si256((const __m256i*)(col.ql + (s * 2 + half) * 64 + 32));
-                    const __m256i h = _mm256_loadu_si256((const __m256i*)(col.qh + (s * 2 + half) * 32));
-                    // Weights 32j..32j+31 of this 128 (as q6k_rows unpacks them).
-                    const __m256i v[4] = {
-                        _mm256_or_si256(_mm256_and_si256(a0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), high)),
-                        _mm256_or_si256(_mm256_and_si256(a1, low), _mm256_and_si256(_mm256_slli_epi16(h, 2), high)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a0, 4), low), _mm256_and_si256(h, high)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a1, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), high)),
-                    };
-                    for (int j = 0; j < 4; ++j) {
-                        const int c = half * 4 + j;  // 32 weights: groups 2c and 2c + 1
-                        const __m512i codes = _mm512_cvtepi8_epi16(_mm256_sub_epi8(v[j], offset));
-                        const __m512i scaled = _mm512_mullo_epi16(
-                            codes, _mm512_permutexvar_epi16(_mm512_add_epi16(group_of_lane, _mm512_set1_epi16((int16_t)(2 * c))), scales));
-                        // Chunk c / 2 of 64 weights, its bytes 32 (c % 2) onwards.
-                        uint8_t* base = out + s * kUnpackedPerSuperblock + (2 * (c / 2) * kTile + m) * kChunk + 32 * (c % 2);
-                        _mm256_storeu_si256((__m256i*)base, _mm512_cvtepi16_epi8(_mm512_and_si512(scaled, seven_bits)));
-                        _mm256_storeu_si256((__m256i*)(base + kTile * kChunk), _mm512_cvtepi16_epi8(_mm512_srai_epi16(scaled, 7)));
-                    }
+        const Q6K col = w.row(n);
+        for (int64_t s = 0; s < superblocks; ++s) {
+            const __m512i scales = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(col.sc + s * 16))));
+            for (int half = 0; half < 2; ++half) {
+                __m256i v[4];  // weights 32j..32j+31 of this 128
+                q6k_codes(col, s, half, v);
+                for (int j = 0; j < 4; ++j) {
+                    const int c = half * 4 + j;  // 32 weights: groups 2c and 2c + 1
+                    const __m512i codes = _mm512_cvtepi8_epi16(_mm256_sub_epi8(v[j], offset));
+                    const __m512i scaled = _mm512_mullo_epi16(
+                        codes, _mm512_permutexvar_epi16(_mm512_add_epi16(group_of_lane, _mm512_set1_epi16((int16_t)(2 * c))), scales));
+                    // Chunk c / 2 of 64 weights, its bytes 32 (c % 2) onwards.
+                    uint8_t* base = out + s * kUnpackedPerSuperblock + (2 * (c / 2) * kTile + m) * kChunk + 32 * (c % 2);
+                    _mm256_storeu_si256((__m256i*)base, _mm512_cvtepi16_epi8(_mm512_and_si512(scaled, seven_bits)));
+                    _mm256_storeu_si256((__m256i*)(base + kTile * kChunk), _mm512_cvtepi16_epi8(_mm512_srai_epi16(scaled, 7)));
                 }
             }
         }

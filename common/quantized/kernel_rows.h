@@ -220,8 +220,6 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
     prefetch(w.ql + kPrefetchAhead * (w.k / 2), w.k / 2);
     prefetch(w.qh + kPrefetchAhead * (w.k / 4), w.k / 4);
     const int64_t superblocks = w.k / 256;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i high = _mm256_set1_epi8(0x30);
     // Bytes 0-1 of each int32 into the low 128 bits' int16 lanes, bytes 2-3 into the high ones'.
     const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
@@ -236,16 +234,8 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
             isum2[r] = _mm256_setzero_si256();
         }
         for (int half = 0; half < 2; ++half) {
-            const __m256i a0 = _mm256_loadu_si256((const __m256i*)(w.ql + (s * 2 + half) * 64));
-            const __m256i a1 = _mm256_loadu_si256((const __m256i*)(w.ql + (s * 2 + half) * 64 + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i*)(w.qh + (s * 2 + half) * 32));
-            // Weights 32j..32j+31 of this 128: nibble j / 2 of ql half j % 2, qh bits 2j..2j+1.
-            const __m256i v[4] = {
-                _mm256_or_si256(_mm256_and_si256(a0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), high)),
-                _mm256_or_si256(_mm256_and_si256(a1, low), _mm256_and_si256(_mm256_slli_epi16(h, 2), high)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a0, 4), low), _mm256_and_si256(h, high)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a1, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), high)),
-            };
+            __m256i v[4];  // weights 32j..32j+31 of this 128
+            q6k_codes(w, s, half, v);
             for (int j = 0; j < 4; ++j) {
                 const int c = half * 4 + j;
                 // int16 lanes 0..7 come from bytes 0..15 (group 2c), lanes 8..15 from bytes 16..31 (group 2c + 1).

@@ -102,6 +102,19 @@ struct Q6K {
     Q6K row(int64_t n) const { return {ql + n * (k / 2), qh + n * (k / 4), sc + n * (k / 16), d + n * (k / 256), k}; }
 };
 struct Q41 { const uint8_t* codes; const float* d; const float* m; int64_t k; };
+
+// Q6_K's 6-bit codes of one half (128 weights) of superblock s of a one-row weight: v[j] holds weights 32j..32j+31
+// of that half (as the row kernels and the AMX tiles both read them).
+inline void q6k_codes(const Q6K& w, int64_t s, int half, __m256i v[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
+    const __m256i a0 = _mm256_loadu_si256((const __m256i*)(w.ql + (s * 2 + half) * 64));
+    const __m256i a1 = _mm256_loadu_si256((const __m256i*)(w.ql + (s * 2 + half) * 64 + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(w.qh + (s * 2 + half) * 32));
+    v[0] = _mm256_or_si256(_mm256_and_si256(a0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), high));
+    v[1] = _mm256_or_si256(_mm256_and_si256(a1, low), _mm256_and_si256(_mm256_slli_epi16(h, 2), high));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a0, 4), low), _mm256_and_si256(h, high));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a1, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), high));
+}
 struct Q80 { const int8_t* codes; const float* d; int64_t k; };
 
 #include "decoder_ops.h"
