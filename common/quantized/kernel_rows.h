@@ -82,6 +82,13 @@ inline void q4k_min_lanes(__m128i mins, const RowTile<R>& x, int64_t s, __m256i*
 template <int R, class N>
 struct Q4KAcc;
 
+// A row's Q4_K output in Lanes: its 8 lanes of the products' term summed, less its 4 lanes of the mins' term.
+inline float q4k_lanes_result(__m256 acc, __m128 acc_min) {
+    __m128 t = _mm_add_ps(acc_min, _mm_movehl_ps(acc_min, acc_min));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return hsum_f32(acc) - _mm_cvtss_f32(t);
+}
+
 // Q4_K in Lanes: per row, 8 float lanes of the products' term and 4 of the mins'.
 template <int R>
 struct Q4KAcc<R, Lanes> {
@@ -99,13 +106,7 @@ struct Q4KAcc<R, Lanes> {
             acc_min[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), _mm_set1_ps(dmin * x.scale[r][s]), acc_min[r]);
         }
     }
-    void store(float** out, int64_t n) const {
-        for (int r = 0; r < R; ++r) {
-            __m128 t = _mm_add_ps(acc_min[r], _mm_movehl_ps(acc_min[r], acc_min[r]));
-            t = _mm_add_ss(t, _mm_movehdup_ps(t));
-            out[r][n] = hsum_f32(acc[r]) - _mm_cvtss_f32(t);
-        }
-    }
+    void store(float** out, int64_t n) const { for (int r = 0; r < R; ++r) out[r][n] = q4k_lanes_result(acc[r], acc_min[r]); }
 };
 
 // Q4_K in Totals: both terms' totals, a row per lane.
