@@ -30,7 +30,7 @@ from bench.runner import grpc_run, load_prompts, machine_description, run_to_dic
 from common.models import gguf_path, load_model, split_variant
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, default_draft_for, free_port, model_draft_for
-from draft_worker.ngram import is_ngram
+from draft_worker.specs import is_ngram
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 CATEGORIES = ("code", "input-grounded")

@@ -31,6 +31,7 @@ from coordinator.server import build_engine
 from coordinator.config import CoordinatorConfig
 from coordinator.types import GenerationParams
 from draft_worker.engine import DraftEngine
+from draft_worker.ngram import PromptLookupProposer
 from target_worker.engine import TargetEngine
 
 TINY_TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
@@ -128,7 +129,9 @@ async def split_cost(config: OverheadConfig, out: Path, progress: tqdm) -> dict:
     prompts = load_prompts(config.prompt_ids)
     target = load_model(config.target_model, config.device)
     engine = await build_engine(
-        InProcessWorkers(TargetEngine(target), DraftEngine(None, config.draft_model, ngram=(3, 1))),
+        InProcessWorkers(
+            TargetEngine(target), DraftEngine(PromptLookupProposer.from_spec(config.draft_model), config.draft_model)
+        ),
         CoordinatorConfig(),
         tokenizer=target.tokenizer,
     )

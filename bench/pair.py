@@ -31,7 +31,7 @@ from common.packed_linear import can_pack, pack_linear_layers
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, default_draft_for, free_port, model_draft_for
 from coordinator.worker_clients import info_from_proto
-from draft_worker.ngram import is_ngram
+from draft_worker.specs import is_ngram
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc, worker_pb2
 
 DEFAULT_PAIR_TARGET = "qwen2.5-coder-1.5b"

@@ -26,7 +26,7 @@ from bench.runner import grpc_run, hf_run, load_prompts, machine_description, ru
 from common.models import load_model
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, default_draft_for, free_port
-from draft_worker.ngram import is_ngram
+from draft_worker.specs import is_ngram
 
 QUICK_PROMPTS = ["fix-typos", "palindrome", "capital"]
 

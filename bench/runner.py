@@ -16,6 +16,7 @@ from tqdm import tqdm
 from bench import analytic
 from common.cached_sequence import CachedSequence
 from common.models import load_model
+from common.protocol import DRAFT_SOURCE_OF
 from common.sampling import SamplingParams
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, default_draft_for, free_port
@@ -24,7 +25,9 @@ from coordinator.types import GenerationParams
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
 from draft_worker.engine import DraftEngine
-from draft_worker.ngram import find_continuation, is_ngram, parse_ngram
+from draft_worker.model_proposer import ModelProposer
+from draft_worker.ngram import PromptLookupProposer, find_continuation, parse_ngram
+from draft_worker.specs import is_ngram
 from target_worker.engine import TargetEngine
 
 DEFAULT_GAMMA = 4
@@ -75,6 +78,7 @@ class Run:
     rounds: int = 0
     split_us: dict = field(default_factory=dict)
     positions: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per round
+    sources: list[str] = field(default_factory=list)  # per round, what proposed its tokens ("" when none drafted)
 
     @property
     def tokens_per_second(self) -> float:
@@ -136,6 +140,7 @@ def grpc_run(
             )
         },
         [(r.drafted, r.accepted) for r in response.rounds],
+        [str(DRAFT_SOURCE_OF.get(r.draft_source, "")) for r in response.rounds],
     )
 
 
@@ -222,7 +227,9 @@ async def measure(config: BenchConfig, progress: tqdm, client: GenerationClient)
     target = load_model(config.target_model, config.device)
     ngram = parse_ngram(config.draft_model) if is_ngram(config.draft_model) else None
     draft = None if ngram else load_model(config.draft_model, config.device)
-    workers = InProcessWorkers(TargetEngine(target), DraftEngine(draft, config.draft_model, ngram=ngram or (3, 1)))
+    workers = InProcessWorkers(
+        TargetEngine(target), DraftEngine(PromptLookupProposer(*ngram) if ngram else ModelProposer(draft), config.draft_model)
+    )
     # Hugging Face's baselines run what a transformers user runs: its own linear layers, not the workers' packed ones.
     hf_target = load_model(config.target_model, config.device, linear="eager")
     hf_draft = None if ngram else load_model(config.draft_model, config.device, linear="eager")

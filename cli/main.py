@@ -52,7 +52,7 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--output-root", help="results go to OUTPUT_ROOT/NAME (default: the suite's)")
     bench.add_argument(
         "--suite",
-        choices=["speedup", "performance", "pair", "overhead", "scale", "llama-cpp", "prefill"],
+        choices=["speedup", "performance", "pair", "overhead", "scale", "llama-cpp", "prefill", "drafting"],
         default="speedup",
         help="speedup: baselines, gamma and temperature sweeps, the analytic model; performance: schedules (auto, "
         "heuristic, fixed), concurrency sweep, overlap on separate cores; pair: a real draft/target pair against "
@@ -60,7 +60,9 @@ def add_bench_parser(commands) -> None:
         "per-round overhead beyond compute (median, p95 µs) against the gRPC floor, and gRPC vs in-process; scale: one "
         "target worker against two (tokens/s, session spread) and a fault run over 2 targets, 2 drafts, 2 coordinators; "
         "llama-cpp: the gguf engine against llama.cpp on the same files and threads (cost curves, end to end); prefill: "
-        "what a long prompt arriving mid-stream does to 4 streams' inter-token gaps, in one pass and chunked",
+        "what a long prompt arriving mid-stream does to 4 streams' inter-token gaps, in one pass and chunked; drafting: "
+        "target-only, prompt lookup, suffix trees and a model draft on an agent's editing loop and on input-grounded "
+        "prompts, and a concurrency sweep with the model-free drafts on a draft worker and in the coordinator",
     )
     bench.add_argument("--overlap-draft-model", help="performance: the model draft of the overlap runs (default: the suite's)")
 
@@ -79,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-port", type=int, default=DEFAULT_PORTS["http"], help="the OpenAI-compatible HTTP API's (default: %(default)s)"
     )
     up.add_argument("--no-http", action="store_true", help="serve the gRPC API only")
+    up.add_argument(
+        "--local-draft",
+        action="store_true",
+        help="run a model-free draft (ngram, suffix) in the coordinator, with no draft worker",
+    )
     add_generate_parser(commands)
     commands.add_parser("demo", help="bring the cluster up, stream a few answers, report acceptance and speedup")
     add_bench_parser(commands)
@@ -198,6 +205,10 @@ def run_bench_command(args) -> int:
         from bench.prefill_interference import PrefillConfig, run_prefill
 
         out = run_prefill(PrefillConfig(name=name, quick=args.quick, **given))
+    elif args.suite == "drafting":
+        from bench.drafting import DraftingConfig, run_drafting
+
+        out = run_drafting(DraftingConfig(name=name, quick=args.quick, **given))
     elif args.suite == "performance":
         from bench.performance import PerformanceConfig, run_performance
 
@@ -219,7 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from coordinator.cluster import up
 
-        return up(args.target_model, args.draft_model, args.port, args.device, None if args.no_http else args.http_port)
+        return up(
+            args.target_model,
+            args.draft_model,
+            args.port,
+            args.device,
+            None if args.no_http else args.http_port,
+            args.local_draft,
+        )
     if args.command == "generate":
         return run_generate(args)
     if args.command == "bench":

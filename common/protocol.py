@@ -2,8 +2,18 @@
 
 import torch
 
+from common.rounds import DraftSource
 from common.sampling import SamplingParams, SparseDistribution
 from specdec.v1 import worker_pb2
+
+DRAFT_SOURCES = {
+    DraftSource.NONE: worker_pb2.DRAFT_SOURCE_UNSPECIFIED,
+    DraftSource.MODEL: worker_pb2.DRAFT_SOURCE_MODEL,
+    DraftSource.PROMPT_LOOKUP: worker_pb2.DRAFT_SOURCE_PROMPT_LOOKUP,
+    DraftSource.SUFFIX_REQUEST: worker_pb2.DRAFT_SOURCE_SUFFIX_REQUEST,
+    DraftSource.SUFFIX_GLOBAL: worker_pb2.DRAFT_SOURCE_SUFFIX_GLOBAL,
+}
+DRAFT_SOURCE_OF = {number: source for source, number in DRAFT_SOURCES.items()}
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:

@@ -1,8 +1,19 @@
 """What one speculation round produces on each worker, as the engines return it and the coordinator reads it."""
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from common.sampling import SparseDistribution
+
+
+class DraftSource(StrEnum):
+    """What proposed a round's tokens (draft.proto's DraftSource)."""
+
+    NONE = ""
+    MODEL = "model"
+    PROMPT_LOOKUP = "prompt_lookup"
+    SUFFIX_REQUEST = "suffix_request"  # the request's own suffix tree
+    SUFFIX_GLOBAL = "suffix_global"  # the worker's tree over earlier requests' outputs
 
 
 @dataclass
@@ -19,6 +30,7 @@ class Proposal:
     batch_size: int = 1
     queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it
     handling_us: int = 0  # the worker's whole handling of the message (0: not measured, in process)
+    source: DraftSource = DraftSource.NONE
 
 
 @dataclass

@@ -65,15 +65,16 @@ class SessionRegistry(Generic[S]):
             self.sessions[session_id] = session
             return True
 
-    def release(self, session_id: str) -> None:
-        """Gives up a reservation or a session, whichever the id holds."""
+    def release(self, session_id: str) -> bool:
+        """Gives up a reservation or a session, whichever the id holds; True when it held a session."""
         with self._lock:
             self.reserved.discard(session_id)
-            self.sessions.pop(session_id, None)
             self.kv_tokens.pop(session_id, None)
+            return self.sessions.pop(session_id, None) is not None
 
-    def remove(self, session_id: str) -> None:
-        self.release(session_id)
+    def remove(self, session_id: str) -> bool:
+        """Closes a session; True the first time (a session is closed once, whoever asks first)."""
+        return self.release(session_id)
 
     def __len__(self) -> int:
         return len(self.sessions)

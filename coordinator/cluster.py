@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_PORTS, DEFAULT_TARGET_MODEL, WorkerConfig
-from draft_worker.ngram import is_ngram
+from draft_worker.specs import is_model_free
 
 # The best draft the project has for each target (README, "Choosing a draft"): prompt lookup for SmolLM2 and for
 # the Qwen pair too. On the gguf engine the 0.5B sibling costs 0.4-0.6x a 1.5B step, too much for its rounds to
@@ -32,10 +32,11 @@ def local_env(draft_model: str) -> dict[str, str]:
 
     Two model workers: OpenMP threads that spin while waiting for work take cycles from the other worker, so they
     sleep instead (measured on the Qwen pair, 2 cores: a target step of 251-268 ms passive, 288-316 spinning).
-    With prompt lookup only the target computes, and its threads' default (spin a while, then sleep) keeps its
-    many small operations fast (SmolLM2 verification, 2 cores: 43-63 ms by default, 65-71 ms passive).
+    With a model-free draft (prompt lookup, suffix trees) only the target computes, and its threads' default (spin
+    a while, then sleep) keeps its many small operations fast (SmolLM2 verification, 2 cores: 43-63 ms by
+    default, 65-71 ms passive).
     """
-    return {} if is_ngram(draft_model) else {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {} if is_model_free(draft_model) else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def default_draft_for(target_model: str) -> str:
@@ -79,6 +80,7 @@ class Cluster:
     http_port: int | None = None  # the first coordinator's OpenAI HTTP API, if any
     targets: int = 1
     drafts: int = 1  # 0: no draft worker, the coordinators run target-only
+    local_draft: bool = False  # a model-free draft runs in each coordinator (--local-draft) instead of on draft workers
     coordinators: int = 1
     instance_args: dict[str, list[str]] = field(default_factory=dict)  # by name, e.g. {"target-1": ["--cpus", "1"]}
     processes: list[subprocess.Popen] = field(default_factory=list)
@@ -142,8 +144,10 @@ class Cluster:
         self.socket_dir = tempfile.mkdtemp(prefix="specdec-")
         self.addresses: dict[str, str] = {}
         targets = [self.spawn_worker(n, self.target_model, self.target_args) for n in self.names("target", self.targets)]
-        drafts = [self.spawn_worker(n, draft_model, self.draft_args) for n in self.names("draft", self.drafts)]
+        local = self.local_draft and is_model_free(draft_model)
+        drafts = [] if local else [self.spawn_worker(n, draft_model, self.draft_args) for n in self.names("draft", self.drafts)]
         pools = ["--target", ",".join(targets)] + (["--draft", ",".join(drafts)] if drafts else [])
+        pools += ["--local-draft", draft_model] if local and self.drafts else []
         self.coordinator_addresses = []
         for i, name in enumerate(self.names("coordinator", self.coordinators)):
             port = self.port if i == 0 else free_port()
@@ -189,14 +193,19 @@ class Cluster:
 
 
 def up(
-    target_model: str, draft_model: str | None, port: int, device: str = WorkerConfig.device, http_port: int | None = None
+    target_model: str,
+    draft_model: str | None,
+    port: int,
+    device: str = WorkerConfig.device,
+    http_port: int | None = None,
+    local_draft: bool = False,
 ) -> int:
-    cluster = Cluster(target_model, draft_model, port, device=device, http_port=http_port)
+    cluster = Cluster(target_model, draft_model, port, device=device, http_port=http_port, local_draft=local_draft)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     cluster.start()
     http = f" and the OpenAI API at http://localhost:{http_port}/v1" if http_port is not None else ""
-    print(f"specdec is serving GenerationService at {cluster.address}{http} (Ctrl-C stops all three services)", flush=True)
+    print(f"specdec is serving GenerationService at {cluster.address}{http} (Ctrl-C stops every service)", flush=True)
     try:
         while not stop and all(p.poll() is None for p in cluster.processes):
             time.sleep(0.5)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from common.config import TLS_GROUP, ConfigError, DraftWorkerConfig, check_token_given, setting
 from common.tls import TlsFiles
 from common.wire_limits import MAX_P_ENTRIES, MAX_STEP_TOKENS
+from draft_worker.specs import is_model_free
 
 
 @dataclass
@@ -61,6 +62,11 @@ class CoordinatorServerConfig:
         action="append",
     )
     draft: list[str] | None = setting(None, "draft workers, given as --target is (omit to run target-only)", action="append")
+    local_draft: str | None = setting(
+        None,
+        "a model-free draft run in this process instead of draft workers: ngram[:...] (prompt lookup) or suffix[:...] "
+        "(suffix trees); no exchange with a draft worker per round",
+    )
     tokenizer: str | None = setting(None, "tokenizer spec (default: the target worker's model)")
     http_port: int | None = setting(
         None, "also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) on this port"
@@ -99,6 +105,14 @@ class CoordinatorServerConfig:
         check_token_given(self.worker_auth_token, "--worker-auth-token (SPECDEC_WORKER_AUTH_TOKEN)")
         if self.auth == "token" and not self.auth_token:
             raise ConfigError("--auth token (SPECDEC_AUTH) requires --auth-token (SPECDEC_AUTH_TOKEN); none was given")
+        if self.local_draft is not None:
+            if self.draft:
+                raise ConfigError("--local-draft and --draft exclude each other: the draft runs here or on draft workers")
+            if not is_model_free(self.local_draft):
+                raise ConfigError(
+                    f"--local-draft takes a model-free draft (ngram[:...] or suffix[:...]), got {self.local_draft!r}; "
+                    "a model draft runs on draft workers (--draft)"
+                )
         if self.auth == "none" and self.auth_token:
             raise ConfigError("--auth none (SPECDEC_AUTH) contradicts the --auth-token given; drop one of them")
 

@@ -4,6 +4,7 @@ import asyncio
 import math
 
 from common.errors import InvalidArgument
+from common.protocol import DRAFT_SOURCES
 from common.sampling import SamplingParams
 from common.tokenizer import CHAT_ROLES, Tokenizer
 from coordinator.config import CoordinatorConfig
@@ -141,6 +142,7 @@ def round_of(record: RoundStats) -> generation_pb2.SpeculationRound:
         bytes_received=record.bytes_received,
         overlapped=record.overlapped,
         target_batch_size=record.target_batch_size,
+        draft_source=DRAFT_SOURCES[record.draft_source],
     )
 
 

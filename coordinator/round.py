@@ -14,7 +14,7 @@ from typing import Protocol
 
 from opentelemetry.context import Context
 
-from common.rounds import Proposal, Verdict
+from common.rounds import DraftSource, Proposal, Verdict
 from coordinator.types import RoundStats, TimeSplit
 
 
@@ -174,6 +174,7 @@ def round_stats(result: RoundResult, wall_us: int) -> RoundStats:
         bytes_received=sum(m.bytes_received for m in messages),
         overlapped=result.overlapped,
         target_batch_size=result.verdict.batch_size,
+        draft_source=result.proposal.source if result.drafted else DraftSource.NONE,
     )
 
 

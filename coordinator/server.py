@@ -15,10 +15,15 @@ from common.models import load_tokenizer
 from common.server import FINAL_STOP_SECONDS, NO_RETRY, ServerOptions, abort_with, run_until_signalled, start_serving
 from common.services import check_parsed
 from common.telemetry import context_from
+from common.config import ConfigError
+from common.errors import InvalidArgument
+from draft_worker.engine import DraftEngine
+from draft_worker.server import model_free_proposer
 from coordinator.admission import Admission
 from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, HttpSettings, PoolSettings
 from coordinator.engine import GenerationEngine, check_pair
 from coordinator.requests import params_of, response_of, status_of, stream_message_of
+from coordinator.local_draft import LocalDraftWorkers
 from coordinator.worker_clients import GrpcWorkers
 from coordinator.workers import WorkerInfo, Workers
 from specdec.v1 import generation_pb2
@@ -193,6 +198,12 @@ async def serve(
     """Runs the coordinator until SIGTERM: waits for a target worker (and briefly a draft), checks the workers'
     tokenizers, then serves. settings.target is required."""
     workers = GrpcWorkers(settings.target, settings.draft, settings.worker_tls, pools, settings.worker_auth_token)
+    if settings.local_draft:
+        try:
+            proposer = model_free_proposer(settings.local_draft)
+        except InvalidArgument as error:
+            raise ConfigError(f"--local-draft {settings.local_draft}: {error}") from None
+        workers = LocalDraftWorkers(workers, DraftEngine(proposer, settings.local_draft))
     await workers.target_info(settings.startup_timeout)
     if workers.has_draft:
         # The draft gets a little longer than the target to come up; after that the coordinator starts without it.
@@ -207,7 +218,7 @@ async def serve(
         engine.target.model_name,
         ", ".join(workers.target_pool.configured),
         engine.draft.model_name if engine.draft else "not connected yet" if workers.has_draft else "none",
-        ", ".join(workers.draft_pool.configured) if workers.draft_pool else "-",
+        ", ".join(workers.draft_pool.configured) if workers.draft_pool else "in this process" if workers.has_draft else "-",
         config.default_num_speculative_tokens,
     )
     await run_until_signalled(

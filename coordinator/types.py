@@ -7,6 +7,7 @@ metrics, and the response's round list and totals.
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
+from common.rounds import DraftSource
 from common.sampling import SamplingParams
 from specdec.v1 import generation_pb2
 
@@ -75,6 +76,7 @@ class RoundStats:
     bytes_received: int = 0
     overlapped: bool = False  # the proposal was drafted while the previous round was verified
     target_batch_size: int = 1
+    draft_source: DraftSource = DraftSource.NONE  # what proposed the verified tokens (NONE: nothing drafted)
 
     @property
     def rollback(self) -> int:
@@ -92,6 +94,7 @@ class RoundStats:
             "specdec.bytes_received": self.bytes_received,
             "specdec.overlapped": self.overlapped,
             "specdec.target_batch_size": self.target_batch_size,
+            "specdec.draft_source": str(self.draft_source),
             **self.time_split.attributes("specdec.time"),
         }
 

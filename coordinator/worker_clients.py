@@ -10,8 +10,8 @@ from opentelemetry.context import Context
 
 from common.auth import token_interceptors
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerFailed
-from common.protocol import distribution_from_proto, distribution_to_proto, sampling_to_proto
-from common.rounds import Proposal, Verdict
+from common.protocol import DRAFT_SOURCE_OF, distribution_from_proto, distribution_to_proto, sampling_to_proto
+from common.rounds import DraftSource, Proposal, Verdict
 from common.sampling import SamplingParams, SparseDistribution
 from common.server import CHANNEL_OPTIONS
 from common.tls import TlsFiles, channel_credentials
@@ -209,6 +209,7 @@ class GrpcDraftSession(StreamSession):
             batch_size=proposal.timing.batch_size,
             queue_us=proposal.timing.queue_us,
             handling_us=proposal.timing.handling_us,
+            source=DRAFT_SOURCE_OF.get(proposal.source, DraftSource.NONE),
         )
 
 

@@ -6,10 +6,15 @@ import grpc
 
 from common.config import DraftWorkerConfig
 from common.models import load_model
-from common.protocol import distribution_to_proto, sampling_from_proto, timing_to_proto
+from common.protocol import DRAFT_SOURCES, distribution_to_proto, sampling_from_proto, timing_to_proto
 from common.server import ServerOptions, SessionStreamServicer, serve_worker, start_serving
 from draft_worker.engine import DraftCall, DraftEngine
-from draft_worker.ngram import is_ngram, parse_ngram
+from draft_worker.hybrid import HybridProposer
+from draft_worker.model_proposer import ModelProposer
+from draft_worker.ngram import PromptLookupProposer
+from draft_worker.proposer import Proposer
+from draft_worker.specs import is_ngram, is_model_free, split_hybrid
+from draft_worker.suffix import SuffixProposer
 from specdec.v1 import draft_pb2, worker_pb2
 
 SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]
@@ -66,9 +71,9 @@ class DraftServicer(SessionStreamServicer):
         call = DraftCall(
             handle, step.num_accepted, list(step.committed_token_ids), step.num_tokens, step.assume_accepted, self.parent(request)
         )
-        if self.engine.loaded is None:
-            # Prompt lookup takes microseconds: less than handing the call to the compute thread and back, and
-            # there is no forward pass to share with other sessions.
+        if not self.engine.proposer.batched:
+            # A model-free proposer takes microseconds: less than handing the call to the compute thread and back,
+            # and there is no forward pass to share with other sessions.
             proposal = self.engine.step_batch([call])[0]
             if isinstance(proposal, Exception):
                 raise proposal
@@ -80,6 +85,7 @@ class DraftServicer(SessionStreamServicer):
                 distributions=[distribution_to_proto(d) for d in proposal.distributions],
                 timing=timing_to_proto(proposal.compute_us, proposal.sync_us, proposal.batch_size, queue_us=proposal.queue_us),
                 assumed_token_id=proposal.assumed_token,
+                source=DRAFT_SOURCES[proposal.source],
             )
         )
 
@@ -98,17 +104,30 @@ class DraftServicer(SessionStreamServicer):
             yield response
 
 
+def load_proposer(config: DraftWorkerConfig) -> Proposer:
+    """The proposer a --model spec names: ngram[:...] (prompt lookup), suffix[:...] (suffix trees),
+    suffix[:...]+MODEL (suffix trees first, then the model), or a model spec."""
+    spec = config.model
+    if is_model_free(spec):
+        return model_free_proposer(spec)
+    suffix_spec, model_spec = split_hybrid(spec)
+    model = ModelProposer(load_model(model_spec, config.device, config.dtype, config.linear, config.engine))
+    return HybridProposer(SuffixProposer.from_spec(suffix_spec), model) if suffix_spec else model
+
+
+def model_free_proposer(spec: str) -> Proposer:
+    """The proposer of an ngram[:...] or suffix[:...] spec (InvalidArgument naming `model` for a malformed one)."""
+    return PromptLookupProposer.from_spec(spec) if is_ngram(spec) else SuffixProposer.from_spec(spec)
+
+
 def load_draft_engine(config: DraftWorkerConfig) -> DraftEngine:
-    limits = dict(
+    return DraftEngine(
+        load_proposer(config),
+        config.model,
         max_sessions=config.max_sessions,
         default_max_q_entries=config.max_q_entries,
         max_kv_tokens=config.max_kv_tokens,
         max_prefill_tokens=config.max_prefill_tokens_per_pass,
-    )
-    if is_ngram(config.model):
-        return DraftEngine(None, config.model, ngram=parse_ngram(config.model), **limits)
-    return DraftEngine(
-        load_model(config.model, config.device, config.dtype, config.linear, config.engine), config.model, **limits
     )
 
 

@@ -15,8 +15,11 @@ from coordinator.config import CoordinatorConfig
 from coordinator.server import build_engine, start_coordinator_server
 from coordinator.worker_clients import GrpcWorkers
 from draft_worker.engine import DraftEngine
-from draft_worker.ngram import parse_ngram
+from draft_worker.hybrid import HybridProposer
+from draft_worker.model_proposer import ModelProposer
+from draft_worker.ngram import PromptLookupProposer
 from draft_worker.server import start_draft_server
+from draft_worker.suffix import SuffixProposer
 from specdec.v1 import generation_pb2_grpc
 from target_worker.engine import TargetEngine
 from target_worker.server import start_target_server
@@ -47,9 +50,15 @@ def draft_models():
 
 
 def draft_engine_for(draft_models, kind) -> DraftEngine:
+    """A draft worker's engine: a tiny model of the given noise, or a proposer by name (`hybrid`: suffix trees
+    before the half-agreeing model)."""
     if kind == "ngram":
-        return DraftEngine(None, "ngram", ngram=parse_ngram("ngram"))
-    return DraftEngine(draft_models[kind], draft_spec(kind))
+        return DraftEngine(PromptLookupProposer(), "ngram")
+    if kind == "suffix":
+        return DraftEngine(SuffixProposer(), "suffix")
+    if kind == "hybrid":
+        return DraftEngine(HybridProposer(SuffixProposer(), ModelProposer(draft_models[0.5])), "suffix+" + draft_spec(0.5))
+    return DraftEngine(ModelProposer(draft_models[kind]), draft_spec(kind))
 
 
 @dataclass

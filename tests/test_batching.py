@@ -13,6 +13,7 @@ from common.sampling import SamplingParams, truncate_probs
 from coordinator.client import build_request
 from coordinator.config import CoordinatorConfig
 from draft_worker.engine import DraftCall, DraftEngine
+from draft_worker.model_proposer import ModelProposer
 from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
 from tests.conftest import draft_engine_for, running_services
 
@@ -72,7 +73,7 @@ def test_one_bad_call_in_a_batch_fails_alone(target_model):
 
 
 def test_batched_draft_steps_propose_what_each_session_proposes_alone(draft_models):
-    engine = DraftEngine(draft_models[0.5], "draft", calibrate=False)
+    engine = DraftEngine(ModelProposer(draft_models[0.5], calibrate=False), "draft")
     params = SamplingParams(temperature=0.8, seed=3)
     solo = [engine.open_session(p, params)[0] for p in PROMPTS]
     batch = [engine.open_session(p, params)[0] for p in PROMPTS]

@@ -106,3 +106,23 @@ def test_the_prefill_report_shows_each_streams_worst_gap_in_one_pass_and_in_chun
     text = report_markdown(report)
     assert "| one pass | 21000 / 21000 / 21000 / 21000 | 40 | 38 | 20.00 | yes | none |" in text
     assert "| chunks of 256 | 1800 / 1900 / 2000 / 2100 | 40 | 38 | 20.00 | NO | none |" in text
+
+
+def test_quick_drafting_bench_compares_the_drafting_sources_on_both_workloads_and_under_load(tmp_path):
+    out = run_quick_bench(tmp_path, "drafting")
+    results = json.loads((out / "results.json").read_text())
+    analysis = results["analysis"]
+    for workload in ("editing", "input-grounded"):
+        rows = analysis[workload]
+        assert set(rows) == {"target-only", "ngram", "suffix", f"model ({TARGET},noise=0.3)"}
+        assert all(row["identical_to_target_only"] for row in rows.values())
+        assert rows["target-only"]["drafted"] == 0 and rows["suffix"]["drafted"] > 0
+    # Request k of a task asks for the first k changes of the same module: two requests, in order.
+    editing_ids = [r["prompt_id"] for r in results["runs"] if r["workload"] == "editing" and r["system"] == "suffix"]
+    assert editing_ids == ["inventory-1", "inventory-2"]
+    assert "suffix over ngram speedup editing" in (out / "report.md").read_text()
+    sweep = results["concurrency"]
+    systems = {"target-only", "ngram", "ngram, local", "suffix", "suffix, local"}
+    assert sorted((r["system"], r["clients"]) for r in sweep) == sorted((s, n) for s in systems for n in (1, 4))
+    assert all(r["identical_to_target_only"] for r in sweep)
+    assert all(r["drafted"] > 0 for r in sweep if r["system"] != "target-only")

@@ -6,6 +6,7 @@ import asyncio
 from coordinator.client import build_request
 from coordinator.config import CoordinatorConfig
 from draft_worker.engine import DraftEngine
+from draft_worker.model_proposer import ModelProposer
 from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
 from tests.conftest import draft_spec, running_services
 
@@ -35,7 +36,7 @@ def stream_request(i: int):
 def test_a_long_prompt_arriving_during_four_streams_is_prefilled_in_chunks_between_their_rounds(target_model, draft_models):
     async def run():
         target = RecordingTarget(target_model, max_prefill_tokens=CHUNK)
-        draft = DraftEngine(draft_models[0.1], draft_spec(0.1), max_prefill_tokens=CHUNK)
+        draft = DraftEngine(ModelProposer(draft_models[0.1]), draft_spec(0.1), max_prefill_tokens=CHUNK)
         long_request = build_request(LONG_PROMPT, max_new_tokens=8, ignore_eos=True, temperature=0, num_speculative_tokens=3)
         async with running_services(target, draft, CoordinatorConfig()) as services:
             solo = [list((await services.stub.Generate(stream_request(i))).token_ids) for i in range(4)]

@@ -19,6 +19,8 @@ from coordinator.types import GenerationParams
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
 from draft_worker.engine import DraftEngine
+from draft_worker.model_proposer import ModelProposer
+from draft_worker.proposer import Proposer
 from target_worker.engine import TargetEngine
 
 VOCAB = 6
@@ -58,20 +60,24 @@ def sample_sequences(
     samples: int = SAMPLES,
     overlap: bool = False,
     prompt: list[int] = PROMPT,
-) -> tuple[list[tuple[int, ...]], int]:
-    """The first `tokens` tokens of `samples` seeded requests, and how many rounds used an overlapped proposal."""
+    proposer: Proposer | None = None,
+) -> tuple[list[tuple[int, ...]], int, tuple[int, int]]:
+    """The first `tokens` tokens of `samples` seeded requests, how many rounds used an overlapped proposal, and the
+    tokens drafted and accepted over all of them. The draft: the model `draft`, or `proposer`."""
 
     async def run():
-        workers = InProcessWorkers(TargetEngine(target, calibrate=False), DraftEngine(draft, "draft", calibrate=False))
+        proposer_ = proposer or ModelProposer(draft, calibrate=False)
+        workers = InProcessWorkers(TargetEngine(target, calibrate=False), DraftEngine(proposer_, "draft"))
         engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target.tokenizer)
-        out, overlapped = [], 0
+        out, overlapped, drafted, accepted = [], 0, 0, 0
         for seed in range(samples):
             sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
             request = GenerationParams(prompt, sampling, tokens, gamma, ignore_eos=True, overlap=overlap)
             result = await engine.generate_all(request)
             out.append(tuple(result.token_ids))
             overlapped += result.overlapped_rounds
-        return out, overlapped
+            drafted, accepted = drafted + result.drafted_tokens, accepted + result.accepted_tokens
+        return out, overlapped, (drafted, accepted)
 
     return asyncio.run(run())
 
@@ -105,7 +111,7 @@ def test_speculative_samples_follow_the_exact_target_distribution(models, params
     target, draft = models
     exact = enumerate_sequences(target, params)
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-5)
-    samples, _ = sample_sequences(target, draft, params, gamma=2)
+    samples, _, _ = sample_sequences(target, draft, params, gamma=2)
     assert chi_square_p_value(samples, exact) > 1e-3
     # The test can fail: the draft's own distribution is clearly rejected by the same samples.
     assert chi_square_p_value(samples, enumerate_sequences(draft, params)) < 1e-6
@@ -136,7 +142,7 @@ def test_overlapped_speculation_follows_the_exact_target_distribution(small_voca
     target, draft = small_vocab_models
     params = SamplingParams(temperature=1.0)
     exact = enumerate_sequences(target, params, OVERLAP_TOKENS, OVERLAP_PROMPT)
-    samples, overlapped = sample_sequences(target, draft, params, 1, OVERLAP_TOKENS, 4000, True, OVERLAP_PROMPT)
+    samples, overlapped, _ = sample_sequences(target, draft, params, 1, OVERLAP_TOKENS, 4000, True, OVERLAP_PROMPT)
     assert overlapped > 400, "too few overlapped proposals were kept to test them"
     assert chi_square_p_value(samples, exact) > 1e-3
     assert chi_square_p_value(samples, enumerate_sequences(draft, params, OVERLAP_TOKENS, OVERLAP_PROMPT)) < 1e-6

@@ -22,7 +22,8 @@ from common.quantized.kernels import kernels
 from common.quantized.layers import QuantizedLinear
 from common.sampling import SamplingParams, logits_to_probs
 from draft_worker.engine import DraftEngine
-from draft_worker.ngram import parse_ngram
+from draft_worker.ngram import PromptLookupProposer
+from draft_worker.model_proposer import ModelProposer
 from target_worker.engine import TargetEngine
 from tests.conftest import prefilled, running_services
 from tests.test_distribution import chi_square_p_value, sample_sequences
@@ -210,8 +211,8 @@ def test_a_sessions_logits_are_bit_identical_alone_in_any_pass_and_in_any_batch(
 
 def test_greedy_speculation_on_the_gguf_engine_equals_target_only(smollm2):
     drafts = [
-        DraftEngine(None, "ngram", ngram=parse_ngram("ngram")),
-        DraftEngine(load_model(SMOLLM2 + "#layers=12", engine="gguf"), SMOLLM2 + "#layers=12"),
+        DraftEngine(PromptLookupProposer(), "ngram"),
+        DraftEngine(ModelProposer(load_model(SMOLLM2 + "#layers=12", engine="gguf")), SMOLLM2 + "#layers=12"),
     ]
     prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef"
 
@@ -250,7 +251,7 @@ def test_speculative_samples_on_the_gguf_engine_follow_the_exact_target_distribu
     params = SamplingParams(temperature=1.5, top_k=3)
     draft = load_model(SMOLLM2 + "#layers=6", engine="gguf")
     # gamma 2, fixed: every request drafts (sample_sequences runs the coordinator's real loop in one process).
-    samples, _ = sample_sequences(smollm2, draft, params, gamma=2, tokens=2, samples=DIST_SAMPLES, prompt=DIST_PROMPT)
+    samples, _, _ = sample_sequences(smollm2, draft, params, gamma=2, tokens=2, samples=DIST_SAMPLES, prompt=DIST_PROMPT)
     exact = exact_two_token_distribution(smollm2, params)
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-5)
     assert chi_square_p_value(samples, exact) > 1e-3

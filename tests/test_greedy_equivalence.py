@@ -9,7 +9,7 @@ from tests.conftest import draft_engine_for, running_services
 from target_worker.engine import TargetEngine
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "def add(a, b):\n    return a + b\n\ndef"]
-DRAFTS = [0.0, 0.1, 0.5, 1.0, "ngram"]
+DRAFTS = [0.0, 0.1, 0.5, 1.0, "ngram", "suffix", "hybrid"]
 
 
 async def generate_ids(stub, prompt: str, gamma: int, max_new_tokens: int = 40, **options) -> tuple[list[int], object]:

@@ -8,7 +8,7 @@ import pytest
 
 from common.errors import ResourceExhausted
 from common.sampling import SamplingParams
-from draft_worker.engine import point_mass
+from draft_worker.proposer import point_mass
 from common.sessions import SessionRegistry
 from coordinator.client import build_request
 from coordinator.config import CoordinatorConfig

@@ -11,6 +11,7 @@ from coordinator.engine import GenerationEngine
 from coordinator.in_process import InProcessWorkers
 from coordinator.types import GenerationParams
 from draft_worker.engine import DraftEngine
+from draft_worker.ngram import PromptLookupProposer
 from target_worker.engine import TargetEngine
 
 ANSWER_TOKENS = 2000
@@ -20,7 +21,7 @@ def test_per_round_coordinator_time_does_not_grow_with_the_answer(target_model):
     # SmolLM2's tokenizer over the tiny model's ids: a real BPE decoder, whose whole-answer decode would cost
     # hundreds of microseconds per round by the end of a 2,000-token answer.
     tokenizer = load_tokenizer("smollm2-135m")
-    workers = InProcessWorkers(TargetEngine(target_model, calibrate=False), DraftEngine(None, "ngram", ngram=(3, 1)))
+    workers = InProcessWorkers(TargetEngine(target_model, calibrate=False), DraftEngine(PromptLookupProposer(), "ngram"))
 
     async def generate():
         target, draft = await workers.target_info(), await workers.draft_info()

@@ -248,6 +248,7 @@ def test_pool_state_is_exported_as_metrics_and_shown_by_specdec_status(target_mo
 
 def test_a_failed_draft_session_is_reopened_on_the_other_draft_worker(target_model, draft_models):
     from draft_worker.engine import DraftEngine
+    from draft_worker.model_proposer import ModelProposer
     from draft_worker.server import SERVICE as DRAFT_SERVICE
     from draft_worker.server import DraftServicer
     from tests.conftest import draft_spec
@@ -255,7 +256,9 @@ def test_a_failed_draft_session_is_reopened_on_the_other_draft_worker(target_mod
     async def run():
         drafts = [
             await start_serving(
-                DRAFT_SERVICE, DraftServicer(DraftEngine(draft_models[0.1], draft_spec(0.1))), ServerOptions(host="127.0.0.1")
+                DRAFT_SERVICE,
+                DraftServicer(DraftEngine(ModelProposer(draft_models[0.1]), draft_spec(0.1))),
+                ServerOptions(host="127.0.0.1"),
             )
             for _ in range(2)
         ]

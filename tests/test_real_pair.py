@@ -9,6 +9,7 @@ import pytest
 from common.models import load_model
 from coordinator.client import build_request
 from draft_worker.engine import DraftEngine
+from draft_worker.model_proposer import ModelProposer
 from target_worker.engine import TargetEngine
 from tests.conftest import running_services
 
@@ -41,7 +42,7 @@ async def generate(stub, prompt: str, gamma: int):
 def assert_speculation_is_exact_and_accepted(target, draft, draft_spec: str) -> None:
     async def run():
         target_engine = TargetEngine(target, calibrate=False)
-        draft_engine = DraftEngine(draft, draft_spec, calibrate=False)
+        draft_engine = DraftEngine(ModelProposer(draft, calibrate=False), draft_spec)
         async with running_services(target_engine, draft_engine) as services:
             for prompt in PROMPTS:
                 reference, _ = await generate(services.stub, prompt, gamma=0)

@@ -8,6 +8,7 @@ import torch
 from common.cached_sequence import CachedSequence
 from common.sampling import SamplingParams, logits_to_probs, truncate_probs
 from draft_worker.engine import DraftEngine
+from draft_worker.model_proposer import ModelProposer
 from target_worker.engine import TargetEngine
 
 PROMPT = [5, 17, 42, 99, 7, 63]
@@ -65,7 +66,7 @@ def test_target_rollback_of_a_partial_acceptance_keeps_the_accepted_prefix(targe
 
 def test_draft_cache_after_rejection_equals_fresh_prefill(draft_models):
     loaded = draft_models[0.5]
-    engine = DraftEngine(loaded, "draft", default_max_q_entries=256)
+    engine = DraftEngine(ModelProposer(loaded), "draft", default_max_q_entries=256)
     params = SamplingParams(temperature=1.0, seed=0)
     handle, _, _ = engine.open_session(PROMPT, params)
     proposal = engine.step(handle, 0, [], 5)
@@ -84,7 +85,7 @@ def test_draft_cache_after_rejection_equals_fresh_prefill(draft_models):
 
 def test_draft_keeps_its_cache_when_every_token_is_accepted(draft_models):
     loaded = draft_models[0.5]
-    engine = DraftEngine(loaded, "draft")
+    engine = DraftEngine(ModelProposer(loaded), "draft")
     handle, _, _ = engine.open_session(PROMPT, SamplingParams(temperature=0))
     proposal = engine.step(handle, 0, [], 3)
     handle.state.sync(3, [9])

@@ -9,6 +9,7 @@ import pytest
 from coordinator.client import build_request
 from coordinator.round import raise_if_cancelled
 from draft_worker.engine import DraftEngine
+from draft_worker.model_proposer import ModelProposer
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2_grpc, worker_pb2
 from target_worker.engine import TargetEngine
 from tests.conftest import draft_engine_for, running_services, wait_for
@@ -133,7 +134,7 @@ def test_a_stream_cancelled_during_its_prefill_frees_the_session_opened_after_it
     """The prefill runs on the compute thread and finishes after the cancellation; its session must not leak."""
 
     async def run():
-        draft = SlowPrefillDraftEngine(draft_models[0.5], "draft", calibrate=False)
+        draft = SlowPrefillDraftEngine(ModelProposer(draft_models[0.5], calibrate=False), "draft")
         async with running_services(TargetEngine(target_model), draft) as services:
             await open_and_cancel_draft_stream(services.draft_address)
             await asyncio.sleep(0.5)
@@ -157,7 +158,7 @@ def test_a_stream_cancelled_while_its_session_is_reserved_frees_the_reservation(
     """The reservation is made on the compute thread, after the cancellation; it must not leak."""
 
     async def run():
-        draft = SlowBeginDraftEngine(draft_models[0.5], "draft", calibrate=False)
+        draft = SlowBeginDraftEngine(ModelProposer(draft_models[0.5], calibrate=False), "draft")
         async with running_services(TargetEngine(target_model), draft) as services:
             await open_and_cancel_draft_stream(services.draft_address)
             assert await wait_for(lambda: draft.begun == 1)

@@ -15,7 +15,9 @@ from common.rounds import Proposal
 from common.sampling import SamplingParams
 from common.wire_limits import MAX_P_ENTRIES, MAX_Q_ENTRIES, MAX_STEP_TOKENS
 from coordinator.client import build_request
-from draft_worker.engine import NGRAM_MAX_CONTEXT, DraftCall, DraftEngine
+from draft_worker.engine import DraftCall, DraftEngine
+from draft_worker.proposer import MODEL_FREE_MAX_CONTEXT
+from draft_worker.model_proposer import ModelProposer
 from draft_worker.server import start_draft_server
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, worker_pb2
 from target_worker.engine import TargetEngine
@@ -103,8 +105,8 @@ def test_each_oversized_draft_field_is_refused_by_name_and_the_worker_serves_on(
                         "start.max_q_entries": [draft_start(max_q_entries=MAX_Q_ENTRIES + 1)],
                         "step.num_tokens": [draft_start(), draft_step(MAX_STEP_TOKENS + 1)],
                     }
-                    if engine.loaded is None:
-                        cases["start.prompt_token_ids"] = [draft_start(prompt_token_ids=[1, 2] * (NGRAM_MAX_CONTEXT // 2))]
+                    if not engine.proposer.vocab_size:
+                        cases["start.prompt_token_ids"] = [draft_start(prompt_token_ids=[1, 2] * (MODEL_FREE_MAX_CONTEXT // 2))]
                     for field, messages in cases.items():
                         assert (await refused_field(stub.Draft, messages)).startswith(field + ":"), (engine.name, field)
                     call = stub.Draft()
@@ -112,7 +114,7 @@ def test_each_oversized_draft_field_is_refused_by_name_and_the_worker_serves_on(
                     assert (await call.read()).HasField("started")
                     await call.write(draft_step(MAX_STEP_TOKENS))
                     proposal = (await call.read()).proposal
-                    if engine.loaded:
+                    if engine.proposer.vocab_size:
                         assert len(proposal.token_ids) == MAX_STEP_TOKENS
                     else:
                         assert list(proposal.token_ids) == [3, 1, 2]  # what followed the earlier "1 2"
@@ -126,7 +128,7 @@ def test_each_oversized_draft_field_is_refused_by_name_and_the_worker_serves_on(
 
 
 def test_a_session_whose_sampling_fails_fails_alone_in_its_draft_batch(draft_models):
-    engine = DraftEngine(draft_models[0.1], draft_spec(0.1))
+    engine = DraftEngine(ModelProposer(draft_models[0.1]), draft_spec(0.1))
     params = SamplingParams(temperature=1.0, seed=3)
     failing, _, _ = engine.open_session([4, 5, 6], params)
     fine, _, _ = engine.open_session([7, 8, 9], params)
@@ -162,7 +164,7 @@ def test_one_requests_failure_on_the_draft_leaves_speculation_on_for_the_next(ta
         draft = (
             draft_engine_for(draft_models, 0.1)
             if temperature is not None
-            else PickyDraftEngine(draft_models[0.1], draft_spec(0.1))
+            else PickyDraftEngine(ModelProposer(draft_models[0.1]), draft_spec(0.1))
         )
         async with running_services(TargetEngine(target_model), draft) as services:
             greedy = build_request([5, 6, 7], max_new_tokens=24, ignore_eos=True, temperature=0, num_speculative_tokens=3)

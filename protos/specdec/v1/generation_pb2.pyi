@@ -166,7 +166,7 @@ class TimeSplit(_message.Message):
     def __init__(self, prefill_us: _Optional[int] = ..., draft_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., network_us: _Optional[int] = ..., coordinator_us: _Optional[int] = ..., total_us: _Optional[int] = ..., draft_overlapped_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., handling_us: _Optional[int] = ...) -> None: ...
 
 class SpeculationRound(_message.Message):
-    __slots__ = ("gamma", "drafted", "accepted", "rollback", "committed", "time_split", "bytes_sent", "bytes_received", "overlapped", "target_batch_size")
+    __slots__ = ("gamma", "drafted", "accepted", "rollback", "committed", "time_split", "bytes_sent", "bytes_received", "overlapped", "target_batch_size", "draft_source")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class SpeculationRound(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     OVERLAPPED_FIELD_NUMBER: _ClassVar[int]
     TARGET_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     drafted: int
     accepted: int
@@ -187,7 +188,8 @@ class SpeculationRound(_message.Message):
     bytes_received: int
     overlapped: bool
     target_batch_size: int
-    def __init__(self, gamma: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., rollback: _Optional[int] = ..., committed: _Optional[int] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., overlapped: _Optional[bool] = ..., target_batch_size: _Optional[int] = ...) -> None: ...
+    draft_source: _worker_pb2.DraftSource
+    def __init__(self, gamma: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., rollback: _Optional[int] = ..., committed: _Optional[int] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., overlapped: _Optional[bool] = ..., target_batch_size: _Optional[int] = ..., draft_source: _Optional[_Union[_worker_pb2.DraftSource, str]] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -7,11 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DraftSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_SOURCE_UNSPECIFIED: _ClassVar[DraftSource]
+    DRAFT_SOURCE_MODEL: _ClassVar[DraftSource]
+    DRAFT_SOURCE_PROMPT_LOOKUP: _ClassVar[DraftSource]
+    DRAFT_SOURCE_SUFFIX_REQUEST: _ClassVar[DraftSource]
+    DRAFT_SOURCE_SUFFIX_GLOBAL: _ClassVar[DraftSource]
+
 class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_DRAFT: _ClassVar[WorkerRole]
     WORKER_ROLE_TARGET: _ClassVar[WorkerRole]
+DRAFT_SOURCE_UNSPECIFIED: DraftSource
+DRAFT_SOURCE_MODEL: DraftSource
+DRAFT_SOURCE_PROMPT_LOOKUP: DraftSource
+DRAFT_SOURCE_SUFFIX_REQUEST: DraftSource
+DRAFT_SOURCE_SUFFIX_GLOBAL: DraftSource
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_DRAFT: WorkerRole
 WORKER_ROLE_TARGET: WorkerRole

@@ -1,0 +1,270 @@
+"""`specdec bench --suite drafting`: drafting sources on an agent's editing loop, on input-grounded prompts, and
+under load.
+
+The editing workload (bench/editing_tasks.json) is what a coding agent sends: the same module revised over several
+requests, each carrying the original code and the changes asked so far (rename, add a parameter, add docstrings,
+fix a bug), so each answer repeats most of the one before it, including the lines that no longer match the prompt.
+The input-grounded workload is the bench's own input-grounded prompts (bench/prompts.json).
+
+Systems, greedy, auto gamma, each draft on a cluster of its own (the target worker the same model): target-only,
+prompt lookup (`ngram`), suffix trees (`suffix`: this request's text and the worker's recent outputs), and a model
+draft where the target has one. Per task the systems run in turn, each through all of the task's requests in
+order; a warm-up request per cluster (a prompt outside both workloads) is not counted. Reported per workload and
+system: tokens/s over all requests, the median per-request speedup over target-only, acceptance, accepted tokens per
+round, what proposed the drafting rounds, and whether every output equals target-only's.
+
+The concurrency sweep: 1, 2, 4, 8, 16 clients sending at once (the bench's prompts in turn, 48 tokens each, as the
+performance suite's sweep), target-only against auto gamma with the model-free drafts on a draft worker and run
+in the coordinator (`--local-draft`, no exchange per round): aggregate tokens/s at each level against
+target-only's.
+"""
+
+import json
+import statistics
+import time
+from contextlib import ExitStack
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.performance import one_client
+from bench.runner import grpc_run, load_prompts, machine_description, run_to_dict
+from coordinator.client import GenerationClient
+from coordinator.cluster import Cluster, free_port, model_draft_for
+
+TASKS_FILE = Path(__file__).with_name("editing_tasks.json")
+WARM_UP_PROMPT = "capital"  # in neither workload
+BASELINE = "target-only"
+SWEEP_TOKENS = 48
+
+
+@dataclass
+class DraftingConfig:
+    name: str
+    target_model: str = "smollm2-135m"
+    draft_model: str | None = None  # a model draft compared too; default: the target's (coordinator.cluster)
+    device: str = "cpu"
+    quick: bool = False
+    max_new_tokens: int = 320
+    repeats: int = 1  # counted passes over both workloads
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    requests_per_client: int = 2
+    output_root: str = "bench/results"
+
+    def __post_init__(self):
+        self.draft_model = self.draft_model or model_draft_for(self.target_model)
+        if self.quick:
+            self.max_new_tokens = min(self.max_new_tokens, 64)
+            self.concurrency, self.requests_per_client = [1, 4], 1
+
+
+def editing_requests(quick: bool) -> list[list[dict]]:
+    """Per task, its requests in order: request k asks for the first k changes."""
+    tasks = json.loads(TASKS_FILE.read_text())[: 1 if quick else None]
+    out = []
+    for task in tasks:
+        edits = task["edits"][: 2 if quick else None]
+        out.append(
+            [
+                {
+                    "id": f"{task['id']}-{k}",
+                    "category": "editing",
+                    "prompt": f"Here is a Python module:\n\n```python\n{task['code']}```\n\nMake these changes and return the "
+                    "whole module:\n" + "\n".join(f"{i + 1}. {edit}" for i, edit in enumerate(edits[:k])),
+                }
+                for k in range(1, len(edits) + 1)
+            ]
+        )
+    return out
+
+
+def grounded_requests(quick: bool) -> list[list[dict]]:
+    prompts = [p for p in load_prompts(None) if p["category"] == "input-grounded"]
+    return [[p] for p in prompts[: 1 if quick else None]]
+
+
+def systems(config: "DraftingConfig") -> dict[str, tuple[tuple[str, bool], int]]:
+    """System -> (its cluster: the draft, and whether the coordinator runs it; gamma)."""
+    out = {BASELINE: (("ngram", False), 0), "ngram": (("ngram", False), -1), "suffix": (("suffix", False), -1)}
+    if config.draft_model:
+        out[f"model ({config.draft_model})"] = ((config.draft_model, False), -1)
+    return out
+
+
+def sweep_systems() -> dict[str, tuple[tuple[str, bool], int]]:
+    return {
+        BASELINE: (("ngram", False), 0),
+        "ngram": (("ngram", False), -1),
+        "ngram, local": (("ngram", True), -1),
+        "suffix": (("suffix", False), -1),
+        "suffix, local": (("suffix", True), -1),
+    }
+
+
+def run_workloads(config: DraftingConfig, clients: dict[tuple[str, bool], GenerationClient]) -> list[dict]:
+    runs = []
+    warm_up = load_prompts([WARM_UP_PROMPT])[0]
+    for (draft, local), client in clients.items():
+        grpc_run(client, "warm-up", warm_up, -1, 0.0, 0, 16)
+        print(f"drafting: warmed up the {draft}{' (local)' if local else ''} cluster", flush=True)
+    for repeat in range(1, config.repeats + 1):
+        for workload, tasks in (("editing", editing_requests(config.quick)), ("input-grounded", grounded_requests(config.quick))):
+            for task in tasks:
+                for system, (cluster, gamma) in systems(config).items():
+                    for prompt in task:
+                        run = grpc_run(clients[cluster], system, prompt, gamma, 0.0, repeat, config.max_new_tokens)
+                        runs.append(run_to_dict(run) | {"workload": workload, "repeat": repeat})
+                print(f"drafting: {workload} {task[0]['id']} done", flush=True)
+    return runs
+
+
+def concurrency_sweep(config: DraftingConfig, addresses: dict[tuple[str, bool], str]) -> list[dict]:
+    """Each level: n clients start together, each sending requests_per_client requests one after another; the
+    systems in turn at each level."""
+    prompts = load_prompts(None)
+    levels = []
+    for clients in config.concurrency:
+        for system, (cluster, gamma) in sweep_systems().items():
+            with ThreadPoolExecutor(clients) as pool:
+                start = time.perf_counter()
+                futures = [
+                    pool.submit(one_client, addresses[cluster], prompts, i, config.requests_per_client, gamma, SWEEP_TOKENS)
+                    for i in range(clients)
+                ]
+                requests = [r for f in futures for r in f.result()]
+                wall = time.perf_counter() - start
+            levels.append(
+                {
+                    "system": system,
+                    "clients": clients,
+                    "aggregate_tokens_per_second": sum(r["tokens"] for r in requests) / wall,
+                    "median_ms_per_token": statistics.median(r["ms_per_token"] for r in requests),
+                    "mean_target_batch": statistics.mean(r["mean_target_batch"] for r in requests),
+                    "drafted": sum(r["drafted"] for r in requests),
+                    "accepted": sum(r["accepted"] for r in requests),
+                    "outputs": {r["prompt_id"]: r["token_ids"] for r in requests},
+                }
+            )
+        print(f"drafting: {clients} clients done", flush=True)
+    baseline = {(r["clients"]): r for r in levels if r["system"] == BASELINE}
+    reference = {p: ids for r in levels if r["system"] == BASELINE for p, ids in r["outputs"].items()}
+    for row in levels:
+        row["x_target_only"] = row["aggregate_tokens_per_second"] / baseline[row["clients"]]["aggregate_tokens_per_second"]
+        row["identical_to_target_only"] = all(reference[p] == ids for p, ids in row.pop("outputs").items())
+    return levels
+
+
+def analyse(runs: list[dict]) -> dict:
+    out = {}
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        mine = [r for r in runs if r["workload"] == workload]
+        baseline = {(r["prompt_id"], r["repeat"]): r for r in mine if r["system"] == BASELINE}
+        rows = {}
+        for system in dict.fromkeys(r["system"] for r in mine):
+            own = [r for r in mine if r["system"] == system]
+            tokens, seconds = sum(r["tokens"] for r in own), sum(r["seconds"] for r in own)
+            drafted, accepted, rounds = (sum(r[k] for r in own) for k in ("drafted", "accepted", "rounds"))
+            ratios = [r["tokens_per_second"] / baseline[(r["prompt_id"], r["repeat"])]["tokens_per_second"] for r in own]
+            sources = [s for r in own for s in r["sources"] if s]
+            rows[system] = {
+                "requests": len(own),
+                "tokens": tokens,
+                "tokens_per_second": tokens / seconds if seconds else 0.0,
+                "median_speedup": statistics.median(ratios),
+                "speedup_of_totals": (tokens / seconds)
+                / (sum(b["tokens"] for b in baseline.values()) / sum(b["seconds"] for b in baseline.values())),
+                "drafted": drafted,
+                "accepted": accepted,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "accepted_per_round": accepted / rounds if rounds else 0.0,
+                "tokens_per_round": tokens / rounds if rounds else 0.0,
+                # What proposed the drafting rounds: the hybrid's choices, the suffix trees' request and global shares.
+                "rounds_by_source": {s: sources.count(s) for s in sorted(set(sources))},
+                "identical_to_target_only": all(
+                    r["token_ids"] == baseline[(r["prompt_id"], r["repeat"])]["token_ids"] for r in own
+                ),
+            }
+        out[workload] = rows
+    editing = out.get("editing", {})
+    if "suffix" in editing and "ngram" in editing:
+        out["suffix_over_ngram_speedup_editing"] = editing["suffix"]["median_speedup"] / editing["ngram"]["median_speedup"]
+    grounded = out.get("input-grounded", {})
+    if "suffix" in grounded and "ngram" in grounded:
+        out["suffix_over_ngram_speedup_grounded"] = grounded["suffix"]["median_speedup"] / grounded["ngram"]["median_speedup"]
+    return out
+
+
+def sources_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{source} {count}" for source, count in counts.items()) or "-"
+
+
+def report(results: dict) -> str:
+    config, analysis = results["config"], results["analysis"]
+    lines = [
+        f"# Drafting sources on editing and input-grounded requests: {config['name']}",
+        "",
+        f"target {config['target_model']} on {config['device']}, greedy, auto gamma, at most {config['max_new_tokens']} "
+        f"new tokens; machine: {results['machine']['processor']}",
+        "",
+    ]
+    for workload in ("editing", "input-grounded"):
+        rows = analysis.get(workload)
+        if not rows:
+            continue
+        lines += [
+            f"## {workload}",
+            "",
+            "| system | requests | tokens/s | median speedup | speedup of totals | acceptance | accepted per round | "
+            "tokens per round | drafting rounds by source | identical |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for system, row in rows.items():
+            lines.append(
+                f"| {system} | {row['requests']} | {row['tokens_per_second']:.2f} | {row['median_speedup']:.2f} | "
+                f"{row['speedup_of_totals']:.2f} | {row['acceptance_rate']:.2f} | {row['accepted_per_round']:.2f} | "
+                f"{row['tokens_per_round']:.2f} | {sources_text(row['rounds_by_source'])} | {row['identical_to_target_only']} |"
+            )
+        lines.append("")
+    for key in ("suffix_over_ngram_speedup_editing", "suffix_over_ngram_speedup_grounded"):
+        if key in analysis:
+            lines.append(f"- {key.replace('_', ' ')}: {analysis[key]:.2f}")
+    lines += [
+        "",
+        f"## Concurrency: clients sending at once, {SWEEP_TOKENS} tokens each, auto gamma",
+        "",
+        "| system | clients | aggregate tok/s | x target-only | median ms/token | mean target batch | acceptance | identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(results["concurrency"], key=lambda r: (r["system"] != BASELINE, r["system"], r["clients"])):
+        acceptance = row["accepted"] / row["drafted"] if row["drafted"] else 0.0
+        lines.append(
+            f"| {row['system']} | {row['clients']} | {row['aggregate_tokens_per_second']:.2f} | {row['x_target_only']:.2f} | "
+            f"{row['median_ms_per_token']:.1f} | {row['mean_target_batch']:.2f} | {acceptance:.2f} | "
+            f"{row['identical_to_target_only']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_drafting(config: DraftingConfig) -> Path:
+    out = Path(config.output_root) / config.name
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = [cluster for cluster, _ in [*systems(config).values(), *sweep_systems().values()]]
+    started = time.perf_counter()
+    with ExitStack() as stack:
+        clients, addresses = {}, {}
+        for i, (draft, local) in enumerate(dict.fromkeys(wanted)):
+            logs = out / f"cluster-{i}"
+            logs.mkdir(exist_ok=True)
+            cluster = Cluster(config.target_model, draft, free_port(), device=config.device, log_dir=logs, local_draft=local)
+            cluster.start()
+            stack.callback(cluster.stop)
+            addresses[draft, local] = cluster.address
+            clients[draft, local] = stack.enter_context(GenerationClient(cluster.address))
+        print(f"drafting: {len(clients)} clusters up in {time.perf_counter() - started:.0f} s", flush=True)
+        runs = run_workloads(config, clients)
+        sweep = concurrency_sweep(config, addresses)
+    results = {"config": asdict(config), "machine": machine_description(), "runs": runs, "concurrency": sweep}
+    results["analysis"] = analyse(runs)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "report.md").write_text(report(results))
+    return out

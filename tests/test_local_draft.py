@@ -1,0 +1,91 @@
+"""A model-free draft run in the coordinator (`--local-draft`): the same output as target-only, rounds that draft
+without a draft worker, and sessions freed however a request ends."""
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from common.config import ConfigError
+from common.sampling import SamplingParams
+from coordinator.client import build_request
+from coordinator.config import CoordinatorConfig, CoordinatorServerConfig
+from coordinator.local_draft import INLINE_PROMPT_TOKENS, LocalDraftSession, LocalDraftWorkers
+from coordinator.server import build_engine, start_coordinator_server
+from coordinator.worker_clients import GrpcWorkers
+from draft_worker.engine import DraftEngine
+from draft_worker.server import model_free_proposer
+from specdec.v1 import generation_pb2_grpc, worker_pb2
+from target_worker.engine import TargetEngine
+from target_worker.server import start_target_server
+from tests.conftest import wait_for
+
+
+@contextlib.asynccontextmanager
+async def local_draft_services(target_model, spec: str):
+    """A target worker over gRPC and a coordinator that drafts with `spec` itself."""
+    target_server, target_port = await start_target_server(TargetEngine(target_model))
+    draft = DraftEngine(model_free_proposer(spec), spec)
+    workers = LocalDraftWorkers(GrpcWorkers(f"127.0.0.1:{target_port}", None), draft)
+    engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target_model.tokenizer)
+    server, port = await start_coordinator_server(engine)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield generation_pb2_grpc.GenerationServiceStub(channel), draft
+    finally:
+        await workers.close()
+        await asyncio.gather(server.stop(0), target_server.stop(0))
+
+
+@pytest.mark.parametrize("spec", ["ngram", "suffix"])
+def test_a_local_draft_speculates_with_target_only_output(target_model, spec):
+    async def run():
+        async with local_draft_services(target_model, spec) as (stub, draft):
+            prompt = "The quick brown fox jumps over the lazy dog. The quick brown"
+            options = dict(max_new_tokens=40, temperature=0, ignore_eos=True, include_rounds=True)
+            reference = await stub.Generate(build_request(prompt, num_speculative_tokens=0, **options))
+            for gamma in (-1, 4):
+                response = await stub.Generate(build_request(prompt, num_speculative_tokens=gamma, **options))
+                assert list(response.token_ids) == list(reference.token_ids)
+                speculation = response.speculation
+                assert speculation.drafted_tokens > 0 and speculation.accepted_tokens > 0 and not speculation.fallback_reason
+                assert {r.draft_source for r in response.rounds if r.drafted} <= {
+                    worker_pb2.DRAFT_SOURCE_PROMPT_LOOKUP,
+                    worker_pb2.DRAFT_SOURCE_SUFFIX_REQUEST,
+                    worker_pb2.DRAFT_SOURCE_SUFFIX_GLOBAL,
+                }
+                # The draft's time is its proposing alone: no exchange with a worker.
+                assert response.time_split.draft_us < response.time_split.verify_us
+            assert await wait_for(lambda: len(draft.sessions) == 0)
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_opening_of_a_long_prompt_still_frees_its_session():
+    """A long prompt is indexed on a thread, which a cancellation cannot stop: its session is closed once it
+    exists."""
+    draft = DraftEngine(model_free_proposer("suffix"), "suffix")
+
+    async def run():
+        prompt = list(range(1, 50)) * (4 * INLINE_PROMPT_TOKENS // 49)
+        opening = asyncio.ensure_future(LocalDraftSession.open(draft, prompt, SamplingParams(temperature=0), 0, None, 0))
+        await asyncio.sleep(0)  # the thread has started
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        assert await wait_for(lambda: draft.sessions.reserved_kv_tokens == 0 and len(draft.sessions) == 0)
+        session = await LocalDraftSession.open(draft, prompt, SamplingParams(temperature=0), 0, None, 0)
+        assert len(draft.sessions) == 1 and session.prefill_us > 0
+        await session.close()
+        assert len(draft.sessions) == 0
+
+    asyncio.run(run())
+
+
+def test_a_local_draft_is_model_free_and_excludes_draft_workers():
+    assert CoordinatorServerConfig(target=["t:1"], local_draft="suffix:global=0").local_draft == "suffix:global=0"
+    with pytest.raises(ConfigError, match="model-free"):
+        CoordinatorServerConfig(target=["t:1"], local_draft="smollm2-135m")
+    with pytest.raises(ConfigError, match="exclude"):
+        CoordinatorServerConfig(target=["t:1"], draft=["d:1"], local_draft="ngram")
