@@ -12,7 +12,8 @@ def is_ngram(spec: str) -> bool:
 
 
 def is_suffix(spec: str) -> bool:
-    return spec == SUFFIX_PREFIX or spec.startswith(SUFFIX_PREFIX + ":")
+    """Suffix trees alone ('+' joins a model to them: a hybrid)."""
+    return (spec == SUFFIX_PREFIX or spec.startswith(SUFFIX_PREFIX + ":")) and "+" not in spec
 
 
 def split_hybrid(spec: str) -> tuple[str, str]:

@@ -3,6 +3,8 @@ without a draft worker, and sessions freed however a request ends."""
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -89,3 +91,17 @@ def test_a_local_draft_is_model_free_and_excludes_draft_workers():
         CoordinatorServerConfig(target=["t:1"], local_draft="smollm2-135m")
     with pytest.raises(ConfigError, match="exclude"):
         CoordinatorServerConfig(target=["t:1"], draft=["d:1"], local_draft="ngram")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--local-draft", "suffix:depth=x"], "--local-draft suffix:depth=x: model:"),
+        (["--local-draft", "smollm2-135m"], "model-free"),
+        (["--local-draft", "ngram", "--draft", "localhost:2"], "exclude"),
+    ],
+)
+def test_a_coordinator_with_a_bad_local_draft_refuses_to_start_naming_the_flag(flags, message):
+    command = [sys.executable, "-m", "cli", "serve", "coordinator", "--target", "localhost:1", "--port", "0", *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr

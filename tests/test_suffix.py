@@ -167,6 +167,7 @@ def test_suffix_specs_parse_and_refuse_out_of_range_values():
     assert split_hybrid("suffix:depth=16+qwen2.5-coder-0.5b#int8") == ("suffix:depth=16", "qwen2.5-coder-0.5b#int8")
     assert split_hybrid("qwen2.5-coder-0.5b") == ("", "qwen2.5-coder-0.5b")
     assert is_model_free("suffix") and is_model_free("ngram:max=4") and not is_model_free("suffix+smollm2-135m")
+    assert not is_model_free("suffix:depth=8+smollm2-135m")
 
 
 def test_the_hybrid_proposes_from_the_trees_where_they_match_and_from_the_model_elsewhere(draft_models):
@@ -255,3 +256,19 @@ def test_hybrid_speculation_mixing_its_sources_samples_the_exact_target_distribu
     assert chosen[DraftSource.MODEL] > 100 and chosen[DraftSource.SUFFIX_GLOBAL] + chosen[DraftSource.SUFFIX_REQUEST] > 100
     assert chi_square_p_value(samples, enumerate_sequences(target, params)) > 1e-3
     assert chi_square_p_value(samples, enumerate_sequences(draft, params)) < 1e-6  # the test can fail
+
+
+def test_a_draft_worker_loads_the_proposer_its_model_spec_names():
+    from common.config import DraftWorkerConfig
+    from draft_worker.ngram import PromptLookupProposer
+    from draft_worker.server import load_draft_engine
+    from tests.conftest import draft_spec
+
+    assert isinstance(load_draft_engine(DraftWorkerConfig(model="ngram:max=4")).proposer, PromptLookupProposer)
+    suffix = load_draft_engine(DraftWorkerConfig(model="suffix:depth=16,global=0")).proposer
+    assert isinstance(suffix, SuffixProposer) and suffix.depth == 16 and suffix.shared is None
+    hybrid = load_draft_engine(DraftWorkerConfig(model="suffix:depth=8+" + draft_spec(0.1))).proposer
+    assert isinstance(hybrid, HybridProposer) and hybrid.suffix.depth == 8 and hybrid.vocab_size == 256
+    assert hybrid.batched and not suffix.batched and hybrid.forward_costs and not suffix.forward_costs
+    with pytest.raises(InvalidArgument, match="model"):
+        load_draft_engine(DraftWorkerConfig(model="suffix:depth=x"))
