@@ -23,11 +23,10 @@ import json
 import statistics
 import time
 from contextlib import ExitStack
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.performance import one_client
+from bench.performance import wave
 from bench.runner import grpc_run, load_prompts, machine_description, run_to_dict
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, free_port, model_draft_for
@@ -125,14 +124,7 @@ def concurrency_sweep(config: DraftingConfig, addresses: dict[tuple[str, bool], 
     levels = []
     for clients in config.concurrency:
         for system, (cluster, gamma) in sweep_systems().items():
-            with ThreadPoolExecutor(clients) as pool:
-                start = time.perf_counter()
-                futures = [
-                    pool.submit(one_client, addresses[cluster], prompts, i, config.requests_per_client, gamma, SWEEP_TOKENS)
-                    for i in range(clients)
-                ]
-                requests = [r for f in futures for r in f.result()]
-                wall = time.perf_counter() - start
+            requests, wall = wave(addresses[cluster], prompts, clients, config.requests_per_client, gamma, SWEEP_TOKENS)
             levels.append(
                 {
                     "system": system,

@@ -120,20 +120,25 @@ def one_client(address: str, prompts: list[dict], first: int, count: int, gamma:
     return out
 
 
+def wave(address: str, prompts: list[dict], clients: int, requests_per_client: int, gamma: int, max_new_tokens: int):
+    """n clients start together, each sending requests_per_client requests one after another: every request's
+    record, and the wall time of the whole wave."""
+    with ThreadPoolExecutor(clients) as pool:
+        start = time.perf_counter()
+        futures = [
+            pool.submit(one_client, address, prompts, i, requests_per_client, gamma, max_new_tokens) for i in range(clients)
+        ]
+        requests = [r for f in futures for r in f.result()]
+        return requests, time.perf_counter() - start
+
+
 def concurrency(config: PerformanceConfig, address: str, prompts: list[dict], progress: tqdm) -> list[dict]:
     """Each level: n clients start together; each sends requests_per_client requests, one after another."""
     levels = []
     for gamma, system in [(0, "target-only"), (-1, "auto")]:
         one_client(address, prompts, 0, 1, gamma, config.max_new_tokens)  # warm-up
         for clients in config.concurrency:
-            with ThreadPoolExecutor(clients) as pool:
-                start = time.perf_counter()
-                futures = [
-                    pool.submit(one_client, address, prompts, i, config.requests_per_client, gamma, config.max_new_tokens)
-                    for i in range(clients)
-                ]
-                requests = [r for f in futures for r in f.result()]
-                wall = time.perf_counter() - start
+            requests, wall = wave(address, prompts, clients, config.requests_per_client, gamma, config.max_new_tokens)
             levels.append(
                 {
                     "system": system,

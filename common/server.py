@@ -34,6 +34,10 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# What a server accepts of its clients' keepalive pings on a connection without calls: clients ping every 30 s
+# (GRPC_OPTIONS), while gRPC servers by default take one ping per 5 minutes there and answer the third early one
+# with GOAWAY too_many_pings, dropping an idle client's connection (seen with the bench's idle clients).
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.min_ping_interval_without_data_ms", 20_000)]
 # A restarted worker is found again within a second, not after gRPC's default backoff of up to two minutes.
 CHANNEL_OPTIONS = [
     *GRPC_OPTIONS,
@@ -65,7 +69,7 @@ async def create_server(
     channel_options: gRPC options beyond GRPC_OPTIONS; token: every call but health checks must carry it."""
     interceptors = [BearerTokenInterceptor(token)] if token else []
     server = grpc.aio.server(
-        options=[*GRPC_OPTIONS, *channel_options],
+        options=[*SERVER_OPTIONS, *channel_options],
         interceptors=interceptors,
         maximum_concurrent_rpcs=options.max_concurrent_rpcs,
     )

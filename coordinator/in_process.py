@@ -6,7 +6,7 @@ from common.rounds import Proposal, Verdict
 from common.sampling import SamplingParams, SparseDistribution
 from common.telemetry import call_in_context
 from coordinator.workers import DraftSession, TargetSession, WorkerInfo
-from draft_worker.engine import DraftEngine
+from draft_worker.engine import DraftEngine, DraftSessionHandle
 from target_worker.engine import TargetEngine
 
 
@@ -34,17 +34,23 @@ class InProcessTargetSession:
 
 
 class InProcessDraftSession:
-    def __init__(
-        self,
+    member = None  # not on a pool: a failure pauses no worker
+
+    def __init__(self, engine: DraftEngine, handle: DraftSessionHandle, prefill_us: int):
+        self.engine, self.handle, self.prefill_us = engine, handle, prefill_us
+
+    @classmethod
+    def open(
+        cls,
         engine: DraftEngine,
         prompt: list[int],
         params: SamplingParams,
         max_q_entries: int,
         parent: Context | None,
         max_tokens: int = 0,
-    ):
-        self.engine = engine
-        self.handle, _, self.prefill_us = call_in_context(parent, engine.open_session, prompt, params, max_q_entries, max_tokens)
+    ) -> "InProcessDraftSession":
+        handle, _, prefill_us = call_in_context(parent, engine.open_session, prompt, params, max_q_entries, max_tokens)
+        return cls(engine, handle, prefill_us)
 
     async def step(
         self,
@@ -104,7 +110,7 @@ class InProcessWorkers:
         timeout: float | None = None,
         max_tokens: int = 0,
     ) -> DraftSession:
-        return InProcessDraftSession(self.draft, prompt, params, max_q_entries, parent, max_tokens)
+        return InProcessDraftSession.open(self.draft, prompt, params, max_q_entries, parent, max_tokens)
 
     async def close(self) -> None:
         pass

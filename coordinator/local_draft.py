@@ -14,59 +14,31 @@ import functools
 
 from opentelemetry.context import Context
 
-from common.rounds import Proposal
 from common.sampling import SamplingParams
-from common.telemetry import call_in_context
+from coordinator.in_process import InProcessDraftSession
 from coordinator.worker_clients import GrpcWorkers
 from coordinator.workers import TargetSession, WorkerInfo
-from draft_worker.engine import DraftEngine, DraftSessionHandle
+from draft_worker.engine import DraftEngine
 
 # A prompt longer than this is indexed on a thread: a suffix tree costs about 0.15 ms a token (depth 24), which
 # would hold up every other request on the event loop.
 INLINE_PROMPT_TOKENS = 256
 
 
-class LocalDraftSession:
-    member = None  # not on a pool: a failure pauses no worker
-
-    def __init__(self, engine: DraftEngine, handle: DraftSessionHandle, prefill_us: int):
-        self.engine, self.handle, self.prefill_us = engine, handle, prefill_us
-
-    @classmethod
-    async def open(
-        cls,
-        engine: DraftEngine,
-        prompt: list[int],
-        params: SamplingParams,
-        max_q_entries: int,
-        parent: Context | None,
-        max_tokens: int,
-    ) -> "LocalDraftSession":
-        opening = functools.partial(call_in_context, parent, engine.open_session, prompt, params, max_q_entries, max_tokens)
-        if len(prompt) <= INLINE_PROMPT_TOKENS:
-            handle, _, prefill_us = opening()
-            return cls(engine, handle, prefill_us)
-        task = asyncio.ensure_future(asyncio.to_thread(opening))
-        try:
-            handle, _, prefill_us = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The thread cannot be stopped: the session it opens is closed as soon as it exists.
-            task.add_done_callback(lambda t: None if t.cancelled() or t.exception() else engine.close_session(t.result()[0]))
-            raise
-        return cls(engine, handle, prefill_us)
-
-    async def step(
-        self,
-        num_accepted: int,
-        committed: list[int],
-        num_tokens: int,
-        parent: Context | None = None,
-        assume_accepted: bool = False,
-    ) -> Proposal:
-        return call_in_context(parent, self.engine.step, self.handle, num_accepted, committed, num_tokens, assume_accepted)
-
-    async def close(self) -> None:
-        self.engine.close_session(self.handle)
+async def open_local_draft(
+    engine: DraftEngine, prompt: list[int], params: SamplingParams, max_q_entries: int, parent: Context | None, max_tokens: int
+) -> InProcessDraftSession:
+    """A session on the local engine; a long prompt is indexed on a thread."""
+    opening = functools.partial(InProcessDraftSession.open, engine, prompt, params, max_q_entries, parent, max_tokens)
+    if len(prompt) <= INLINE_PROMPT_TOKENS:
+        return opening()
+    task = asyncio.ensure_future(asyncio.to_thread(opening))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        # The thread cannot be stopped: the session it opens is closed as soon as it exists.
+        task.add_done_callback(lambda t: None if t.cancelled() or t.exception() else engine.close_session(t.result().handle))
+        raise
 
 
 class LocalDraftWorkers:
@@ -115,8 +87,8 @@ class LocalDraftWorkers:
         parent: Context | None = None,
         timeout: float | None = None,
         max_tokens: int = 0,
-    ) -> LocalDraftSession:
-        return await LocalDraftSession.open(self.draft, prompt, params, max_q_entries, parent, max_tokens)
+    ) -> InProcessDraftSession:
+        return await open_local_draft(self.draft, prompt, params, max_q_entries, parent, max_tokens)
 
     async def close(self) -> None:
         await self.workers.close()

@@ -13,7 +13,7 @@ from common.config import ConfigError
 from common.sampling import SamplingParams
 from coordinator.client import build_request
 from coordinator.config import CoordinatorConfig, CoordinatorServerConfig
-from coordinator.local_draft import INLINE_PROMPT_TOKENS, LocalDraftSession, LocalDraftWorkers
+from coordinator.local_draft import INLINE_PROMPT_TOKENS, LocalDraftWorkers, open_local_draft
 from coordinator.server import build_engine, start_coordinator_server
 from coordinator.worker_clients import GrpcWorkers
 from draft_worker.engine import DraftEngine
@@ -71,13 +71,13 @@ def test_a_cancelled_opening_of_a_long_prompt_still_frees_its_session():
 
     async def run():
         prompt = list(range(1, 50)) * (4 * INLINE_PROMPT_TOKENS // 49)
-        opening = asyncio.ensure_future(LocalDraftSession.open(draft, prompt, SamplingParams(temperature=0), 0, None, 0))
+        opening = asyncio.ensure_future(open_local_draft(draft, prompt, SamplingParams(temperature=0), 0, None, 0))
         await asyncio.sleep(0)  # the thread has started
         opening.cancel()
         with pytest.raises(asyncio.CancelledError):
             await opening
         assert await wait_for(lambda: draft.sessions.reserved_kv_tokens == 0 and len(draft.sessions) == 0)
-        session = await LocalDraftSession.open(draft, prompt, SamplingParams(temperature=0), 0, None, 0)
+        session = await open_local_draft(draft, prompt, SamplingParams(temperature=0), 0, None, 0)
         assert len(draft.sessions) == 1 and session.prefill_us > 0
         await session.close()
         assert len(draft.sessions) == 0
