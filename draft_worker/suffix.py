@@ -51,7 +51,13 @@ NODE_BYTES = 170
 
 
 class SuffixProposer(Proposer):
-    def __init__(self, depth: int = 24, factor: float = 1.0, min_prob: float = 0.1, global_tokens: int = 16384):
+    def __init__(
+        self,
+        depth: int = SUFFIX_DEFAULTS["depth"],
+        factor: float = SUFFIX_DEFAULTS["factor"],
+        min_prob: float = SUFFIX_DEFAULTS["min_prob"],
+        global_tokens: int = SUFFIX_DEFAULTS["global"],
+    ):
         self.depth, self.factor, self.min_prob = depth, factor, min_prob
         # A token of a session adds up to `depth` nodes to its tree (text that never repeats: 22 at depth 24).
         self.kv_bytes_per_token = NODE_BYTES * depth
