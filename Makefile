@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/specdec/v1/*.proto)
 
-.PHONY: demo test protos up clean
+.PHONY: demo test test-quick protos up clean
 
 $(STAMP): pyproject.toml common/model_files.py common/quantized/kernels.cpp common/quantized/kernel_rows.h common/quantized/kernel_wide_tiles.h common/quantized/decoder_ops.h
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,8 +25,14 @@ $(STAMP): pyproject.toml common/model_files.py common/quantized/kernels.cpp comm
 demo: $(STAMP)
 	$(VENV)/bin/specdec demo
 
+# Test files spread over the cores (pytest-xdist; a file's tests stay together, sharing its module's cluster):
+# most tests wait on processes and sockets more than they compute, so two workers halve the time on 2 cores.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --numprocesses=auto --maxprocesses=4 --dist=loadfile
+
+# The tests not marked slow: a few minutes, for the edit-test loop (CI runs `make test`, all of them).
+test-quick: $(STAMP)
+	$(PY) -m pytest -m "not slow"
 
 up: $(STAMP)
 	$(VENV)/bin/specdec up

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from bench.llama_server import LlamaServer
 from bench.runner import grpc_run, load_prompts, machine_description, run_to_dict
-from common.models import gguf_path, load_model, split_variant
+from common.model_specs import gguf_path, split_variant
+from common.models import load_model
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, default_draft_for, free_port, model_draft_for
 from draft_worker.specs import is_ngram
@@ -111,7 +112,7 @@ def gguf_passes(spec: str):
 
     def step(k: int) -> None:
         runner.forward([cache], [tokens[10 : 10 + k]], [k])
-        runner.rollback(cache, base)
+        runner.crop_to(cache, base)
 
     def prefill() -> None:
         runner.forward([runner.new_cache()], [tokens], [1])

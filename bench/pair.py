@@ -26,7 +26,8 @@ from tqdm import tqdm
 from bench.performance import passes
 from bench.runner import cost_curve, grpc_run, hf_run, load_prompts, machine_description, run_to_dict
 from common.model_runner import CALIBRATION_CONTEXT
-from common.models import load_model, split_variant
+from common.model_specs import split_variant
+from common.models import load_model
 from common.packed_linear import can_pack, pack_linear_layers
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, default_draft_for, free_port, model_draft_for

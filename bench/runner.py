@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from bench import analytic
 from common.cached_sequence import CachedSequence
+from common.config import WorkerConfig
 from common.models import load_model
 from common.protocol import DRAFT_SOURCE_OF
 from common.sampling import SamplingParams
@@ -193,7 +194,7 @@ def cost_curve(runner, context: list[int], max_tokens: int = 9, repeats: int = 7
             start = time.perf_counter()
             sequence.forward(context[-1:] + [1] * (k - 1), k)
             times.append(time.perf_counter() - start)
-            sequence.rollback(base)
+            sequence.crop_to(base)
         curve[k] = statistics.median(times[1:])
     return curve
 
@@ -224,9 +225,10 @@ def machine_description() -> dict:
 
 async def measure(config: BenchConfig, progress: tqdm, client: GenerationClient) -> dict:
     prompts = load_prompts(config.prompt_ids)
-    target = load_model(config.target_model, config.device)
+    # The in-process engine runs what the workers run (their default engine), so that its row compares transports.
+    target = load_model(config.target_model, config.device, engine=WorkerConfig.engine)
     ngram = parse_ngram(config.draft_model) if is_ngram(config.draft_model) else None
-    draft = None if ngram else load_model(config.draft_model, config.device)
+    draft = None if ngram else load_model(config.draft_model, config.device, engine=WorkerConfig.engine)
     workers = InProcessWorkers(
         TargetEngine(target), DraftEngine(PromptLookupProposer(*ngram) if ngram else ModelProposer(draft), config.draft_model)
     )
@@ -237,8 +239,8 @@ async def measure(config: BenchConfig, progress: tqdm, client: GenerationClient)
     eos = target.tokenizer.eos_token_ids
     chats = {p["id"]: target.tokenizer.render_chat([{"role": "user", "content": p["prompt"]}]) for p in prompts}
     runs: list[Run] = []
-    for repeat in range(config.repeats + 1):  # repeat 0 warms up and is not counted
-        for prompt in prompts:
+    for repeat in range(config.repeats + 1):  # repeat 0 warms up every system on the first prompt, not counted
+        for prompt in prompts if repeat else prompts[:1]:
             ids, done = chats[prompt["id"]], []
             done.append(grpc_run(client, "target-only (gRPC)", prompt, 0, 0.0, repeat, config.max_new_tokens))
             for gamma in config.gammas:
@@ -277,10 +279,9 @@ async def measure(config: BenchConfig, progress: tqdm, client: GenerationClient)
     }
 
 
-def runs_per_repeat(config: BenchConfig) -> int:
-    prompts = len(load_prompts(config.prompt_ids))
+def runs_per_prompt(config: BenchConfig) -> int:
     sampled = len([t for t in config.temperatures if t != 0.0])
-    return prompts * (1 + len(config.gammas) + 3 + 2 * sampled)
+    return 1 + len(config.gammas) + 3 + 2 * sampled
 
 
 def run_bench(config: BenchConfig) -> Path:
@@ -290,7 +291,9 @@ def run_bench(config: BenchConfig) -> Path:
     out = Path(config.output_root) / config.name
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    progress = tqdm(total=runs_per_repeat(config) * (config.repeats + 1), desc="bench", unit="run")
+    progress = tqdm(
+        total=runs_per_prompt(config) * (len(load_prompts(config.prompt_ids)) * config.repeats + 1), desc="bench", unit="run"
+    )
     extra = ["--max-num-speculative-tokens", str(max(config.gammas))]
     with Cluster(config.target_model, config.draft_model, free_port(), extra, device=config.device, log_dir=out) as cluster:
         with GenerationClient(cluster.address) as client:

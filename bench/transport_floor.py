@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from bench.runner import percentile
-from common.server import CHANNEL_OPTIONS, GRPC_OPTIONS
+from common.grpc_options import CHANNEL_OPTIONS, GRPC_OPTIONS
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, worker_pb2
 
 

@@ -43,7 +43,7 @@ def add_serve_parser(commands) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from common.server import configure_logging
+    from common.lifecycle import configure_logging
     from common.telemetry import setup_telemetry, shutdown_telemetry
 
     configure_logging(args.log_level)

@@ -5,8 +5,6 @@ the cache, and a rollback crops rejected tokens off its end in O(1), never re-ru
 of several sessions run as one batch (forward_batch).
 """
 
-import time
-
 import torch
 
 from common.batched_forward import as_sampling_input
@@ -41,15 +39,11 @@ class CachedSequence:
             self.forward(self.tokens[start : end if max_tokens is None else min(end, start + max_tokens)], 1)
         return self.cache_len >= end
 
-    def rollback(self, keep: int) -> int:
+    def crop_to(self, keep: int) -> int:
         """Crops the cache to its first keep tokens; returns how many tokens were removed."""
-        return self.runner.rollback(self.cache, keep)
+        return self.runner.crop_to(self.cache, keep)
 
 
 def forward_batch(sequences: list[CachedSequence], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
     """One forward pass for several sequences of one model, each fed its own tokens at its own position."""
     return sequences[0].runner.forward([s.cache for s in sequences], token_ids, logits_to_keep)
-
-
-def elapsed_us(start: float) -> int:
-    return int((time.perf_counter() - start) * 1e6)

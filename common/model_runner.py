@@ -2,7 +2,7 @@
 
 A runner makes session caches, runs one forward pass over several sessions' new tokens (returning the logit rows
 asked for), rolls a cache back, copies one, and measures its own cost curve. What was loaded (tokenizer, its
-fingerprint, vocabulary, end-of-sequence ids, context length) is the LoadedModel's (common.models); sampling, q,
+fingerprint, vocabulary, end-of-sequence ids, context length) is the LoadedModel's (common.loaded_model); sampling, q,
 the acceptance test and top-k/top-p are common.sampling's, on the logits a runner returns.
 
 - TorchRunner: transformers' forward with specdec's ragged attention (common.batched_forward), over float32
@@ -64,7 +64,7 @@ class ModelRunner(ABC):
         makes them what the sampling math takes)."""
 
     @staticmethod
-    def rollback(cache: Cache, keep: int) -> int:
+    def crop_to(cache: Cache, keep: int) -> int:
         """Crops the cache to its first keep tokens (O(1): a length moves); returns how many were removed."""
         removed = cache.get_seq_length() - keep
         if removed > 0:
@@ -106,7 +106,7 @@ class ModelRunner(ABC):
                 self.forward(batch, feeds, sizes)
                 samples.append((time.perf_counter() - start) * 1e3)
                 for cache in batch:
-                    self.rollback(cache, CALIBRATION_CONTEXT)
+                    self.crop_to(cache, CALIBRATION_CONTEXT)
             costs.append((tokens, statistics.median(samples[warm_ups:])))
         return nondecreasing(costs) if self.fixed_kernels else costs
 

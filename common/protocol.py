@@ -49,6 +49,35 @@ def timing_to_proto(
     )
 
 
+def model_info(loaded) -> dict:
+    """GetInfo's fields of a loaded model (common.loaded_model.LoadedModel); a model-free draft sends them empty."""
+    return {
+        "tokenizer_fingerprint": loaded.tokenizer.fingerprint,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "eos_token_ids": loaded.tokenizer.eos_token_ids,
+        "engine": loaded.engine,
+    }
+
+
+def worker_info(
+    model_name: str, vocab_size: int, device, max_context_length: int, sessions, forward_costs: list, model: dict
+) -> dict:
+    """A worker's GetInfo as a dict (info_to_proto's input, and coordinator.workers.WorkerInfo's fields for an
+    engine in the coordinator's process). sessions: the engine's SessionRegistry; model: model_info's fields."""
+    return {
+        "model_name": model_name,
+        "vocab_size": vocab_size,
+        "device": str(device),
+        "max_context_length": max_context_length,
+        "active_sessions": len(sessions),
+        "max_sessions": sessions.max_sessions,
+        "max_kv_tokens": sessions.max_kv_tokens or 0,
+        "reserved_kv_tokens": sessions.reserved_kv_tokens,
+        "forward_costs": forward_costs,
+        **model,
+    }
+
+
 def info_to_proto(role: int, info: dict) -> worker_pb2.GetInfoResponse:
     costs = [worker_pb2.ForwardCost(tokens=t, milliseconds=ms) for t, ms in info.get("forward_costs", [])]
     return worker_pb2.GetInfoResponse(role=role, **{**info, "forward_costs": costs})

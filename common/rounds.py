@@ -4,6 +4,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from common.sampling import SparseDistribution
+from specdec.v1 import worker_pb2
+
+# q of one drafted token as a round carries it: tensors where it was sampled (or converted for sampling), or the
+# protobuf message as it came off the wire, which the coordinator forwards to the target without a round of
+# conversions (worker_clients.wire_form). Readers take either: both have token_ids and probs sequences.
+DraftQ = SparseDistribution | worker_pb2.SparseDistribution
 
 
 class DraftSource(StrEnum):
@@ -21,7 +27,7 @@ class Proposal:
     """The draft's tokens x1..xg with the exact q_i each was sampled from."""
 
     token_ids: list[int]
-    distributions: list[SparseDistribution]  # over gRPC, the protobuf messages as received (see worker_clients)
+    distributions: list[DraftQ]
     compute_us: int = 0
     sync_us: int = 0
     bytes_sent: int = 0  # serialized size of the messages that asked for it and carried it (0 in process)

@@ -36,6 +36,13 @@ class SparseDistribution:
     probs: torch.Tensor  # float32 [n]
 
 
+def stream_seed(seed: int, stream: str) -> int:
+    """The seed of one random stream drawn from a request seed: a hash of both, so that streams named apart draw
+    independent numbers (a non-negative int64, which torch.Generator.manual_seed takes)."""
+    digest = hashlib.blake2b(f"{stream}:{seed}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def make_generator(seed: int | None, stream: str) -> torch.Generator:
     """A generator for one party of a request (stream: "draft" or "target").
 
@@ -46,8 +53,7 @@ def make_generator(seed: int | None, stream: str) -> torch.Generator:
     if seed is None:
         generator.seed()
     else:
-        digest = hashlib.blake2b(f"{stream}:{seed}".encode(), digest_size=8).digest()
-        generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+        generator.manual_seed(stream_seed(seed, stream))
     return generator
 
 

@@ -4,20 +4,24 @@ import math
 
 
 from common.errors import InvalidArgument
+from common.rounds import DraftQ
 from common.wire_limits import MAX_Q_ENTRIES
-from common.sampling import SamplingParams, SparseDistribution
+from common.sampling import SamplingParams
 
 # q may be renormalised float32; anything further from 1 is not a distribution the draft sampled from.
 DISTRIBUTION_MASS_TOLERANCE = 1e-3
 
 
-def check_sampling(params: SamplingParams, field: str) -> None:
+def check_sampling(params: SamplingParams, field: str = "") -> None:
+    """field: the message the parameters came in (errors name e.g. sampling.top_k); "": they are the request's own
+    fields (top_k)."""
+    prefix = f"{field}." if field else ""
     if not math.isfinite(params.temperature) or params.temperature < 0:
-        raise InvalidArgument(f"{field}.temperature", f"must be a finite number >= 0, got {params.temperature}")
+        raise InvalidArgument(f"{prefix}temperature", f"must be a finite number >= 0, got {params.temperature}")
     if params.top_k < 0:
-        raise InvalidArgument(f"{field}.top_k", f"must be >= 0, got {params.top_k}")
+        raise InvalidArgument(f"{prefix}top_k", f"must be >= 0, got {params.top_k}")
     if not (0 < params.top_p <= 1):
-        raise InvalidArgument(f"{field}.top_p", f"must be in (0, 1], got {params.top_p}")
+        raise InvalidArgument(f"{prefix}top_p", f"must be in (0, 1], got {params.top_p}")
 
 
 def check_count(value: int, limit: int, field: str) -> None:
@@ -32,16 +36,17 @@ def check_token_ids(token_ids: list[int], vocab_size: int, field: str) -> None:
         raise InvalidArgument(field, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_prompt(prompt: list[int], vocab_size: int, max_context: int, field: str) -> None:
+def check_prompt(prompt: list[int], vocab_size: int, max_context: int, field: str, ids_field: str = "") -> None:
+    """ids_field: the name a bad id is reported under, where the caller's ids are a field of their own."""
     if not prompt:
         raise InvalidArgument(field, "must not be empty")
-    check_token_ids(prompt, vocab_size, field)
+    check_token_ids(prompt, vocab_size, ids_field or field)
     if max_context and len(prompt) >= max_context:
         raise InvalidArgument(field, f"{len(prompt)} tokens leave no room in the model's context of {max_context}")
 
 
-def check_distribution(dist: SparseDistribution, token: int, vocab_size: int, field: str) -> None:
-    """dist: a SparseDistribution, or anything with token_ids and probs sequences (a q as it came off the wire)."""
+def check_distribution(dist: DraftQ, token: int, vocab_size: int, field: str) -> None:
+    """dist: tensors or the protobuf message as it came off the wire (common.rounds.DraftQ)."""
     # On Python lists: a few entries each, and checked for every drafted token of every round, where tensor ops
     # would cost tens of microseconds apiece.
     token_ids, probs = as_list(dist.token_ids), as_list(dist.probs)

@@ -4,7 +4,7 @@ APIs, so that --max-concurrent-requests and draining on SIGTERM hold for both to
 import contextlib
 from common.auth import token_matches
 from common.errors import ResourceExhausted, Unauthenticated
-from common.server import Lifecycle
+from common.lifecycle import Lifecycle
 
 
 class Admission:

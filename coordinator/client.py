@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from common.server import GRPC_OPTIONS
+from common.grpc_options import GRPC_OPTIONS
 from coordinator.addresses import parse_addresses
-from coordinator.types import FINISH_REASON_NAMES
+from coordinator.finish_reasons import FINISH_REASON_NAMES
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
 
@@ -112,7 +112,7 @@ CLIENT_OPTIONS = [*GRPC_OPTIONS, ("grpc.service_config", SERVICE_CONFIG), ("grpc
 
 def for_another(error: grpc.RpcError) -> bool:
     """A refusal that another coordinator may not give: UNAVAILABLE, unless the coordinator says that it already
-    retried (see common.server.NO_RETRY)."""
+    retried (see common.grpc_errors.NO_RETRY)."""
     pushback = dict(error.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
     return error.code() == grpc.StatusCode.UNAVAILABLE and pushback != "-1"
 

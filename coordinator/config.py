@@ -27,8 +27,6 @@ class CoordinatorConfig:
     # K of the draft's q; the same default as the draft worker's own, which applies when a session does not say.
     max_q_entries: int = setting(DraftWorkerConfig.max_q_entries, cli=False)
     num_p_entries: int = setting(0, "top entries of p the target returns per position")
-    server_address: str = setting("localhost", cli=False)  # set by the server once it listens
-    server_port: int = setting(0, cli=False)
     draft_timeout: float = setting(2.0, "per-round deadline of the draft worker (s); missing it turns speculation off")
     target_timeout: float = setting(60.0, "per-round deadline of the target worker (s)")
     target_retry_window: float = setting(30.0, "how long a request keeps reopening a failed target session (s)")

@@ -13,10 +13,9 @@ yields between rounds.
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable
 from dataclasses import replace
 
 from opentelemetry import trace
@@ -25,24 +24,28 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from common.errors import InvalidArgument, Unavailable
 from common.rounds import Proposal
+from common.sampling import stream_seed
 from common.telemetry import tracer
+from common.timing import elapsed_us
 from common.tokenizer import Tokenizer
+from common.validation import check_prompt
 from coordinator.config import CoordinatorConfig
 from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, FixedPolicy, HeuristicPolicy, MeasuredSpeed
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.output import OutputTracker
+from coordinator.output import Delta, OutputTracker
 from coordinator.round import (
     DraftSync,
     Phase,
     RoundResult,
-    elapsed_us,
+    RoundWorkers,
     handling,
     raise_if_cancelled,
     round_stats,
     speculation_round,
     truncated,
 )
-from coordinator.types import FINISH_REASON_NAMES, GenerationParams, GenerationResult, RoundStats, TimeSplit
+from coordinator.finish_reasons import FINISH_REASON_NAMES
+from coordinator.types import GenerationParams, GenerationResult, RoundStats, TimeSplit
 from coordinator.workers import DraftSession, IncompatibleWorkers, TargetSession, WorkerInfo, Workers
 
 PROVIDER = "specdec"
@@ -83,6 +86,11 @@ class GenerationEngine:
         self.metrics = CoordinatorMetrics(workers.status)
         self.measured_speed = MeasuredSpeed()
         self.running = 0  # requests in progress
+        self.server_address, self.server_port = "localhost", 0  # where clients reach it: set by listening_on
+
+    def listening_on(self, address: str, port: int) -> None:
+        """Where the server that serves this engine listens (its spans' server.address and server.port)."""
+        self.server_address, self.server_port = address, port
 
     @property
     def max_context_length(self) -> int:
@@ -91,16 +99,11 @@ class GenerationEngine:
 
     def check(self, params: GenerationParams) -> None:
         """Checks that need the deployment's models and limits (field-level checks are in coordinator.requests)."""
-        if not params.prompt_token_ids:
-            raise InvalidArgument("prompt", "the prompt has no tokens")
-        bad = [t for t in params.prompt_token_ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise InvalidArgument(
-                "prompt_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.target.vocab_size})"
-            )
-        limit, prompt = self.max_context_length, len(params.prompt_token_ids)
-        if limit and prompt >= limit:
-            raise InvalidArgument("prompt", f"{prompt} prompt tokens leave no room in the context of {limit}")
+        limit, vocab_size = self.max_context_length, self.target.vocab_size
+        # A bad id is the token ids' fault (named first, as their own field); an empty or too long prompt is the
+        # prompt's, whether it came as text or as ids.
+        check_prompt(params.prompt_token_ids, vocab_size, limit, "prompt", ids_field="prompt_token_ids")
+        prompt = len(params.prompt_token_ids)
         if limit and params.max_new_tokens_given and prompt + params.max_new_tokens > limit:
             raise InvalidArgument(
                 "max_new_tokens",
@@ -119,8 +122,8 @@ class GenerationEngine:
             "gen_ai.request.top_k": sampling.top_k,
             "gen_ai.request.max_tokens": params.max_new_tokens,
             "gen_ai.usage.input_tokens": len(params.prompt_token_ids),
-            "server.address": self.config.server_address,
-            "server.port": self.config.server_port,
+            "server.address": self.server_address,
+            "server.port": self.server_port,
             "specdec.draft.model": self.draft.model_name if self.draft else "",
             "specdec.gamma": params.num_speculative_tokens,
         }
@@ -213,48 +216,78 @@ def derived_seed(seed: int | None, generation: int, stream: str = "reopen") -> i
     per worker role: "reopen" for the target, "reopen-draft" for the draft)."""
     if seed is None or generation == 0:
         return seed
-    digest = hashlib.blake2b(f"{stream}:{generation}:{seed}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return stream_seed(seed, f"{stream}:{generation}")
 
 
-class RequestRun:
-    """One request's sessions and rounds, including what happens when a worker fails.
+def gamma_policy_for(engine: GenerationEngine, params: GenerationParams):
+    """How a request chooses each round's gamma: the fixed gamma it asked for, the heuristic schedule, or (auto)
+    the cost model over the workers' measured speeds."""
+    gamma, config = params.num_speculative_tokens, engine.config
+    if gamma >= 0:
+        return FixedPolicy(gamma)
+    if params.gamma_schedule == "heuristic":
+        return HeuristicPolicy(DEFAULT_HEURISTIC_START, config.max_num_speculative_tokens)
+    sampling = params.sampling
+    if sampling.seed is not None and not sampling.greedy:
+        # Gamma decides how the random streams are consumed: a seeded request must not let timings choose it,
+        # or the same seed would give different text on another replica or after a restart.
+        return FixedPolicy(SEEDED_AUTO_GAMMA)
+    draft, speed = engine.draft, engine.measured_speed
+    return CostModelPolicy(
+        engine.target.forward_costs,
+        draft.forward_costs if draft else [],
+        config.max_num_speculative_tokens,
+        acceptance=AcceptanceEstimate(prior=speed.prior(model_free=not (draft and draft.forward_costs))),
+        target_scale=speed.target_scale,
+        row_scales=speed.row_scales,
+        draft_scale=speed.draft_scale,
+        shared_acceptance=speed.acceptance,
+        draft_exchange=speed.draft_exchange,
+        peers=lambda: engine.running - 1,
+    )
 
-    A failing or slow draft only costs speed: the request continues target-only (same output for greedy). A failed
-    target session is reopened with the prompt and every committed token re-prefilled, within the request's time
-    limit; nothing already streamed is repeated or lost, since only committed tokens are ever streamed.
+
+class RequestWorkers(RoundWorkers):
+    """One request's sessions on the workers, as its rounds use them, and what happens when a worker fails.
+
+    A failing or slow draft only costs speed: the request continues target-only (same output for greedy), and
+    speculates again if a session can be reopened on a healthy draft worker. A failed target session is reopened
+    with the prompt and every committed token re-prefilled, within the request's time limit; nothing already
+    streamed is repeated or lost, since only committed tokens are ever streamed.
     """
 
     def __init__(
-        self, engine: GenerationEngine, params: GenerationParams, root: trace.Span, started: float, time_limit: float | None
+        self,
+        engine: GenerationEngine,
+        params: GenerationParams,
+        root: trace.Span,
+        output: OutputTracker,
+        deadline: float | None,
+        max_tokens: int,
     ):
         self.engine = engine
         self.config = engine.config
         self.params = params
         self.root = root
         self.root_context = span_context(root)
-        self.started = started
-        self.deadline = time.monotonic() + time_limit if time_limit is not None else None
+        self.output = output
+        self.deadline = deadline  # time.monotonic() when the caller stops waiting; None: it waits
+        self.max_tokens = max_tokens  # what each session reserves on its worker
         self.target: TargetSession | None = None
         self.draft: DraftSession | None = None
         self.target_generation = 0
         self.reopened = 0  # target sessions reopened after a failure
         self.draft_reopens = 0  # draft sessions reopened after a failure
         self.fallback_reason = ""
-        context_room = (
-            engine.max_context_length - len(params.prompt_token_ids) if engine.max_context_length else params.max_new_tokens
-        )
-        self.output = OutputTracker(
-            engine.tokenizer,
-            max_new_tokens=min(params.max_new_tokens, context_room),
-            stop=params.stop,
-            eos_token_ids=engine.target.eos_token_ids,
-            ignore_eos=params.ignore_eos,
-        )
-        # What each session reserves on its worker: every token the request may commit, and a round's drafted
-        # tokens beyond them (with overlap's assumed token); a worker caps it at its context.
-        gamma = self.config.max_num_speculative_tokens if params.num_speculative_tokens < 0 else params.num_speculative_tokens
-        self.max_tokens = len(params.prompt_token_ids) + self.output.max_new_tokens + gamma + 2
+
+    @property
+    def committed(self) -> list[int]:
+        """The tokens the request has committed so far: what a reopened session is prefilled with after the prompt."""
+        return self.output.token_ids
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft is not None
 
     def fall_back(self, reason: str, error: BaseException | None = None) -> None:
         """Continues without speculation: a span event, a metric (once per request), and a pause before that draft
@@ -309,7 +342,7 @@ class RequestRun:
             await asyncio.sleep(delay)
             delay = min(2 * delay, 2.0)
 
-    async def open_sessions(self, parent: Context) -> None:
+    async def open(self, parent: Context) -> None:
         """Opens (and prefills) both sessions concurrently. A draft that cannot open only turns speculation off."""
         use_draft = self.params.num_speculative_tokens != 0 and await self.engine.connect_draft()
         if self.params.num_speculative_tokens != 0 and not use_draft:
@@ -359,14 +392,14 @@ class RequestRun:
         self.draft_reopens += 1
         sampling = replace(self.params.sampling, seed=derived_seed(self.params.sampling.seed, self.draft_reopens, "reopen-draft"))
         try:
-            opening = self.opening_draft(self.output.token_ids, sampling, self.root_context)
-            self.draft = await asyncio.wait_for(opening, self.draft_open_timeout(self.output.token_ids))
+            opening = self.opening_draft(self.committed, sampling, self.root_context)
+            self.draft = await asyncio.wait_for(opening, self.draft_open_timeout(self.committed))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
             self.fall_back("draft_open_failed", error)
             return False
-        self.root.add_event("draft.reopen", {"specdec.committed_tokens": len(self.output.token_ids)})
+        self.root.add_event("draft.reopen", {"specdec.committed_tokens": len(self.committed)})
         return True
 
     async def propose(
@@ -391,142 +424,192 @@ class RequestRun:
                 async with asyncio.timeout(self.config.target_timeout):
                     return await self.target.verify(drafted, dists, parent)
             except (TimeoutError, Unavailable) as error:
-                detail = f"{type(error).__name__}: {error}"
-                self.engine.workers.failed(self.target, detail)
-                await close_all(self.target)
-                if self.reopened >= self.config.max_target_retries:
-                    # A request whose rounds keep failing workers (a query of death) must not walk through the pool.
-                    raise Unavailable(
-                        f"target worker unavailable: {self.reopened} reopened sessions failed (last: {detail})"
-                    ) from None
-                log.warning("target session failed (%s); reopening it on %d committed tokens", detail, len(self.output.token_ids))
-                self.root.add_event("target.reopen", {"exception.message": detail})
-                self.engine.metrics.reopened.add(1, {"gen_ai.request.model": self.engine.target.model_name})
-                self.reopened += 1
-                self.target_generation += 1
-                await self.open_target(self.output.token_ids, parent, error, like=self.target)
+                await self.reopen_target(error, parent)
 
-    def make_policy(self):
-        gamma = self.params.num_speculative_tokens
-        if gamma >= 0:
-            return FixedPolicy(gamma)
-        if self.params.gamma_schedule == "heuristic":
-            return HeuristicPolicy(DEFAULT_HEURISTIC_START, self.config.max_num_speculative_tokens)
-        sampling = self.params.sampling
-        if sampling.seed is not None and not sampling.greedy:
-            # Gamma decides how the random streams are consumed: a seeded request must not let timings choose it,
-            # or the same seed would give different text on another replica or after a restart.
-            return FixedPolicy(SEEDED_AUTO_GAMMA)
-        draft, speed = self.engine.draft, self.engine.measured_speed
-        return CostModelPolicy(
-            self.engine.target.forward_costs,
-            draft.forward_costs if draft else [],
-            self.config.max_num_speculative_tokens,
-            acceptance=AcceptanceEstimate(prior=speed.prior(model_free=not (draft and draft.forward_costs))),
-            target_scale=speed.target_scale,
-            row_scales=speed.row_scales,
-            draft_scale=speed.draft_scale,
-            shared_acceptance=speed.acceptance,
-            draft_exchange=speed.draft_exchange,
-            peers=lambda: self.engine.running - 1,
+    async def reopen_target(self, error: TimeoutError | Unavailable, parent: Context) -> None:
+        """Replaces the failed target session by one prefilled with the prompt and the committed tokens."""
+        detail = f"{type(error).__name__}: {error}"
+        self.engine.workers.failed(self.target, detail)
+        await close_all(self.target)
+        if self.reopened >= self.config.max_target_retries:
+            # A request whose rounds keep failing workers (a query of death) must not walk through the pool.
+            raise Unavailable(f"target worker unavailable: {self.reopened} reopened sessions failed (last: {detail})") from None
+        log.warning("target session failed (%s); reopening it on %d committed tokens", detail, len(self.committed))
+        self.root.add_event("target.reopen", {"exception.message": detail})
+        self.engine.metrics.reopened.add(1, {"gen_ai.request.model": self.engine.target.model_name})
+        self.reopened += 1
+        self.target_generation += 1
+        await self.open_target(self.committed, parent, error, like=self.target)
+
+    def close(self) -> Awaitable[None]:
+        """Closes the sessions open now."""
+        return close_all(self.target, self.draft)
+
+
+class RequestRun:
+    """One request's loop: opens its sessions, runs speculation rounds until the output is finished, streams what
+    they commit, and records the request (its span's attributes, round stats and metrics). Worker failures are
+    handled by its RequestWorkers."""
+
+    def __init__(
+        self, engine: GenerationEngine, params: GenerationParams, root: trace.Span, started: float, time_limit: float | None
+    ):
+        self.engine = engine
+        self.params = params
+        self.root = root
+        self.root_context = span_context(root)
+        self.started = started
+        deadline = time.monotonic() + time_limit if time_limit is not None else None
+        context_room = (
+            engine.max_context_length - len(params.prompt_token_ids) if engine.max_context_length else params.max_new_tokens
         )
-
-    @property
-    def has_draft(self) -> bool:
-        return self.draft is not None
-
-    def next_gamma(self, policy, overlap: bool) -> Callable[[int], int]:
-        """Overlap: how many tokens to pre-draft behind the verification of a round that drafted `drafted`."""
-
-        def choose(drafted: int) -> int:
-            room = self.output.remaining - drafted - 2  # this round commits drafted + 1 at most
-            return policy.choose(room, hidden_behind=drafted + 1) if overlap and room > 0 else 0
-
-        return choose
+        self.output = OutputTracker(
+            engine.tokenizer,
+            max_new_tokens=min(params.max_new_tokens, context_room),
+            stop=params.stop,
+            eos_token_ids=engine.target.eos_token_ids,
+            ignore_eos=params.ignore_eos,
+        )
+        # What each session reserves on its worker: every token the request may commit, and a round's drafted
+        # tokens beyond them (with overlap's assumed token); a worker caps it at its context.
+        max_gamma = (
+            engine.config.max_num_speculative_tokens if params.num_speculative_tokens < 0 else params.num_speculative_tokens
+        )
+        max_tokens = len(params.prompt_token_ids) + self.output.max_new_tokens + max_gamma + 2
+        self.workers = RequestWorkers(engine, params, root, self.output, deadline, max_tokens)
+        self.totals, self.rounds = TimeSplit(), []  # the request's time split; its rounds' stats
+        self.opened = started  # when the sessions began opening (set by events)
+        self.first_token_at: float | None = None
+        # The plan of the rounds, set once the sessions are open (open_sessions).
+        self.policy = None
+        self.speculating = self.overlap = self.behind_only = False
+        self.sync, self.ready = DraftSync(), None  # what the draft has not heard of; a proposal drafted last round
 
     async def events(self):
-        totals, rounds, output = TimeSplit(), [], self.output
-        first_token_at = None
-        opened = time.perf_counter()
+        """Yields a Delta for each round that commits output, then the GenerationResult."""
+        self.opened = time.perf_counter()
         try:  # from here on, whatever happens, both sessions are closed
-            with child_span("prefill", self.root_context) as parent:
-                await self.open_sessions(parent)
-            totals.prefill_us = elapsed_us(opened, time.perf_counter())
-            policy = self.make_policy()
-            # The opening's round trip beyond the target's prefill: a first guess of the per-round overhead.
-            policy.observe_overhead(max(0, totals.prefill_us - self.target.prefill_us))
-            speculating = self.draft is not None
-            overlap = self.params.overlap and speculating
-            # With overlap a model draft drafts only behind verification: after a discarded pre-draft the target
-            # verifies the pending token alone while the draft pre-drafts again (a model-free draft costs nothing
-            # to ask, so it still drafts up front).
-            behind_only = overlap and bool(self.engine.draft and self.engine.draft.forward_costs)
-            next_gamma = self.next_gamma(policy, overlap)
-            sync, ready = DraftSync(), None  # what the draft has not heard of; a proposal drafted last round
+            await self.open_sessions()
             round_start = time.perf_counter()
-            while not output.finished:
+            while not self.output.finished:
                 raise_if_cancelled()
-                if speculating and self.draft is None and await self.reopen_draft():
-                    sync, ready = DraftSync(), None  # the new session holds every committed token
-                room = output.remaining - 1
-                if ready is not None:
-                    ready = truncated(ready, room)
-                gamma = policy.choose(room) if self.draft and not behind_only and ready is None else 0
+                gamma = await self.prepare_round()
                 round_span = tracer().start_span("speculate", context=self.root_context, attributes={"specdec.gamma": gamma})
                 try:
-                    result = await speculation_round(self, sync, gamma, ready, next_gamma, phases_under(round_span))
-                    ready = result.ready
-                    learn(policy, result)
-                    delta = output.add(result.committed)
-                    if delta.token_ids or delta.text:
-                        first_token_at = first_token_at or time.perf_counter()
+                    result = await speculation_round(
+                        self.workers, self.sync, gamma, self.ready, self.pre_draft_gamma, phases_under(round_span)
+                    )
+                    delta = self.commit(result)
+                    if delta is not None:
                         yield delta
                     # A round ends where the next begins, so the time spent streaming its delta counts in it.
                     round_end = time.perf_counter()
-                    stats = round_stats(result, elapsed_us(round_start, round_end))
+                    self.record_round(result, elapsed_us(round_start, round_end), round_span)
                     round_start = round_end
-                    policy.observe_overhead(*exchange_costs(result, stats))
-                    rounds.append(stats)
-                    totals.add(stats.time_split)
-                    if round_span.is_recording():
-                        round_span.set_attributes(stats.attributes())
                 finally:
                     round_span.end()
         finally:
-            closing = time.perf_counter()
-            await asyncio.shield(close_all(self.target, self.draft))
-            totals.coordinator_us += elapsed_us(closing, time.perf_counter())
+            await self.close_sessions()
+        yield self.finish()
+
+    async def open_sessions(self) -> None:
+        """Opens (and prefills) the sessions under the `prefill` span, then plans the rounds: the gamma policy, and
+        whether they speculate and overlap."""
+        with child_span("prefill", self.root_context) as parent:
+            await self.workers.open(parent)
+        self.totals.prefill_us = elapsed_us(self.opened)
+        self.policy = gamma_policy_for(self.engine, self.params)
+        # The opening's round trip beyond the target's prefill: a first guess of the per-round overhead.
+        self.policy.observe_overhead(max(0, self.totals.prefill_us - self.workers.target.prefill_us))
+        self.speculating = self.workers.has_draft
+        self.overlap = self.params.overlap and self.speculating
+        # With overlap a model draft drafts only behind verification: after a discarded pre-draft the target
+        # verifies the pending token alone while the draft pre-drafts again (a model-free draft costs nothing
+        # to ask, so it still drafts up front).
+        self.behind_only = self.overlap and bool(self.engine.draft and self.engine.draft.forward_costs)
+
+    async def prepare_round(self) -> int:
+        """Readies the next round: a new draft session where the draft failed, the proposal drafted last round cut
+        to the room left; returns how many tokens to draft up front (0: none, or `ready` is the proposal)."""
+        if self.speculating and not self.workers.has_draft and await self.workers.reopen_draft():
+            self.sync, self.ready = DraftSync(), None  # the new session holds every committed token
+        room = self.output.remaining - 1
+        if self.ready is not None:
+            self.ready = truncated(self.ready, room)
+        if not self.workers.has_draft or self.behind_only or self.ready is not None:
+            return 0
+        return self.policy.choose(room)
+
+    def pre_draft_gamma(self, drafted: int) -> int:
+        """Overlap: how many tokens to pre-draft behind the verification of a round that drafted `drafted`."""
+        room = self.output.remaining - drafted - 2  # this round commits drafted + 1 at most
+        return self.policy.choose(room, hidden_behind=drafted + 1) if self.overlap and room > 0 else 0
+
+    def commit(self, result: RoundResult) -> Delta | None:
+        """Takes in a round's result: what the policy learns, the tokens committed; returns what to stream (None
+        when the round made no output visible yet, e.g. while a possible stop string is held back)."""
+        self.ready = result.ready
+        learn(self.policy, result)
+        delta = self.output.add(result.committed)
+        if not (delta.token_ids or delta.text):
+            return None
+        self.first_token_at = self.first_token_at or time.perf_counter()
+        return delta
+
+    def record_round(self, result: RoundResult, wall_us: int, round_span: trace.Span) -> None:
+        """The round's stats: in the policy's overhead estimate, the request's totals, and its `speculate` span."""
+        stats = round_stats(result, wall_us)
+        self.policy.observe_overhead(*exchange_costs(result, stats))
+        self.rounds.append(stats)
+        self.totals.add(stats.time_split)
+        if round_span.is_recording():
+            round_span.set_attributes(stats.attributes())
+
+    async def close_sessions(self) -> None:
+        """Closes the sessions, even when the request is cancelled; the time it takes is the coordinator's."""
+        closing = time.perf_counter()
+        await asyncio.shield(self.workers.close())
+        self.totals.coordinator_us += elapsed_us(closing)
+
+    def finish(self) -> GenerationResult:
+        """The request's result, also set on its span and recorded in the metrics."""
         finished = time.perf_counter()
-        totals.total_us = elapsed_us(self.started, finished)
-        totals.coordinator_us += elapsed_us(self.started, opened)
-        result = GenerationResult(
+        self.totals.total_us = elapsed_us(self.started, finished)
+        self.totals.coordinator_us += elapsed_us(self.started, self.opened)
+        result = self.result()
+        self.root.set_attributes(self.result_attributes(result))
+        self.engine.metrics.record_request(
+            self.params, result, self.engine.target.model_name, self.first_token_at, self.started, finished
+        )
+        return result
+
+    def result(self) -> GenerationResult:
+        output = self.output
+        return GenerationResult(
             text=output.text,
             token_ids=output.token_ids,
             finish_reason=output.finish_reason,
             prompt_tokens=len(self.params.prompt_token_ids),
-            num_speculative_tokens=self.params.num_speculative_tokens if speculating else 0,
-            rounds=rounds,
-            time_split=totals,
-            fallback_reason=self.fallback_reason,
-            overlap=overlap,
+            num_speculative_tokens=self.params.num_speculative_tokens if self.speculating else 0,
+            rounds=self.rounds,
+            time_split=self.totals,
+            fallback_reason=self.workers.fallback_reason,
+            overlap=self.overlap,
         )
-        self.root.set_attributes(
-            {
-                "gen_ai.usage.output_tokens": len(output.token_ids),
-                "gen_ai.response.finish_reasons": [FINISH_REASON_NAMES.get(output.finish_reason, "unknown")],
-                "gen_ai.response.model": self.engine.target.model_name,
-                "specdec.rounds": len(rounds),
-                "specdec.drafted_tokens": result.drafted_tokens,
-                "specdec.accepted_tokens": result.accepted_tokens,
-                "specdec.overlapped_rounds": result.overlapped_rounds,
-                "specdec.target.reopened_sessions": self.reopened,
-                **totals.attributes("specdec.time"),
-            }
-        )
-        self.engine.metrics.record_request(
-            self.params, result, self.engine.target.model_name, first_token_at, self.started, finished
-        )
-        yield result
+
+    def result_attributes(self, result: GenerationResult) -> dict:
+        """The root span's attributes of the finished request."""
+        return {
+            "gen_ai.usage.output_tokens": len(result.token_ids),
+            "gen_ai.response.finish_reasons": [FINISH_REASON_NAMES.get(result.finish_reason, "unknown")],
+            "gen_ai.response.model": self.engine.target.model_name,
+            "specdec.rounds": len(self.rounds),
+            "specdec.drafted_tokens": result.drafted_tokens,
+            "specdec.accepted_tokens": result.accepted_tokens,
+            "specdec.overlapped_rounds": result.overlapped_rounds,
+            "specdec.target.reopened_sessions": self.workers.reopened,
+            **self.totals.attributes("specdec.time"),
+        }
 
 
 def learn(policy, result: RoundResult) -> None:

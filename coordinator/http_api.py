@@ -30,23 +30,17 @@ from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, Field
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from common.errors import (
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
-    WorkerFailed,
-)
-from common.server import FINAL_STOP_SECONDS, MAX_MESSAGE_BYTES, internal_error_message
+from common.errors import DeadlineExceeded, InvalidArgument, Unauthenticated, classified
+from common.grpc_options import MAX_MESSAGE_BYTES
+from common.lifecycle import FINAL_STOP_SECONDS
 from common.tls import TlsFiles
 from coordinator.admission import Admission
 from coordinator.config import HttpSettings
 from coordinator.engine import GenerationEngine
 from coordinator.output import Delta
 from coordinator.requests import params_of
-from coordinator.types import FINISH_REASON_NAMES, GenerationResult
+from coordinator.finish_reasons import FINISH_REASON_NAMES
+from coordinator.types import GenerationResult
 
 from specdec.v1 import generation_pb2
 
@@ -279,28 +273,8 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-ERROR_STATUS = {
-    InvalidArgument: (400, "invalid_request_error"),
-    FailedPrecondition: (400, "invalid_request_error"),
-    Unauthenticated: (401, "authentication_error"),
-    ResourceExhausted: (429, "rate_limit_error"),
-    WorkerFailed: (502, "worker_error"),
-    Unavailable: (503, "service_unavailable_error"),
-    DeadlineExceeded: (504, "timeout_error"),
-}
-
-
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def classified(error: Exception) -> tuple[int, str, str]:
-    """(status, OpenAI error type, message) of an engine error; anything unexpected is logged and told as a bare
-    internal error."""
-    status, kind = ERROR_STATUS.get(type(error), (500, "internal_error"))
-    if status == 500:
-        return status, kind, internal_error_message(error)
-    return status, kind, str(error) or type(error).__name__
 
 
 async def release(events, slot: contextlib.ExitStack) -> None:
@@ -318,7 +292,8 @@ def error_response(error: Exception, body: RequestFields | None = None, admitted
     admitted: the request ran, and the coordinator already spent its own retries on the workers: the openai SDK is
     told not to retry it (it honours x-should-retry). A refusal at admission while draining closes the connection,
     so that a retry goes out on a new one, which a load balancer may send to another coordinator."""
-    status, kind, message = classified(error)
+    error_status, message = classified(error)  # common.errors.ERROR_STATUS: the rule gRPC's statuses follow too
+    status, kind = error_status.http_status, error_status.openai_type
     param = None
     if isinstance(error, InvalidArgument):
         # The check names the engine's field; the caller is told the name it sent (max_tokens, not max_new_tokens).
@@ -417,7 +392,6 @@ class AuthenticateFirst:
 
 
 def build_app(engine: GenerationEngine, admission: Admission, http: HttpSettings | None = None) -> FastAPI:
-    http = http or HttpSettings()
     app = FastAPI(
         title="specdec",
         summary="OpenAI-compatible API over speculative decoding",
@@ -430,29 +404,37 @@ def build_app(engine: GenerationEngine, admission: Admission, http: HttpSettings
         telemetry={"auto_configure": False, "operation_spans": False},
     )
     app.add_middleware(AuthenticateFirst, admission=admission)
+    app.add_exception_handler(RequestValidationError, invalid_body)
+    add_routes(app, engine, CompletionHandler(engine, admission, http or HttpSettings()))
+    return app
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        param = param_from_location(first["loc"])
-        return JSONResponse(error_body(f"{param or 'body'}: {first['msg']}", "invalid_request_error", param), status_code=400)
 
-    def model_not_found(model: str) -> JSONResponse:
-        message = f"The model '{model}' does not exist; this deployment serves '{engine.target.model_name}'"
+async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+    """A body that does not fit the schema: 400, naming its first bad parameter."""
+    first = error.errors()[0]
+    param = param_from_location(first["loc"])
+    return JSONResponse(error_body(f"{param or 'body'}: {first['msg']}", "invalid_request_error", param), status_code=400)
+
+
+class CompletionHandler:
+    """What both completion endpoints do: check the model, admit the request, run it on the engine, and answer
+    with the whole completion or a stream of its chunks."""
+
+    def __init__(self, engine: GenerationEngine, admission: Admission, http: HttpSettings):
+        self.engine, self.admission, self.http = engine, admission, http
+
+    def model_not_found(self, model: str) -> JSONResponse:
+        message = f"The model '{model}' does not exist; this deployment serves '{self.engine.target.model_name}'"
         return JSONResponse(error_body(message, "invalid_request_error", "model", "model_not_found"), status_code=404)
 
-    @app.get("/v1/models")
-    async def models():
-        model = {"id": engine.target.model_name, "object": "model", "created": 0, "owned_by": "specdec"}
-        return {"object": "list", "data": [model]}
-
-    async def complete(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool, default_max_tokens):
+    async def complete(self, request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool, default_max_tokens):
+        engine, http = self.engine, self.http
         if body.model != engine.target.model_name:
-            return model_not_found(body.model)
+            return self.model_not_found(body.model)
         slot, events, handed_off, admitted = contextlib.ExitStack(), None, False, False
         try:
             generate_request = generate_request_of(body, default_max_tokens)
-            slot.enter_context(admission.slot())
+            slot.enter_context(self.admission.slot())
             admitted = True
             params = await params_of(generate_request, engine.tokenizer, engine.config)
             completion = Completion(chat, engine.target.model_name, bool(body.speculation_by_position))
@@ -478,15 +460,20 @@ def build_app(engine: GenerationEngine, admission: Admission, http: HttpSettings
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(stream_events(first, events, completion, include_usage), close, http.http_stall_timeout)
 
+
+def add_routes(app: FastAPI, engine: GenerationEngine, handler: CompletionHandler) -> None:
+    @app.get("/v1/models")
+    async def models():
+        model = {"id": engine.target.model_name, "object": "model", "created": 0, "owned_by": "specdec"}
+        return {"object": "list", "data": [model]}
+
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        return await complete(request, body, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await handler.complete(request, body, chat=False, default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        return await complete(request, body, chat=True, default_max_tokens=None)
-
-    return app
+        return await handler.complete(request, body, chat=True, default_max_tokens=None)
 
 
 async def whole_response(request: Request, events, completion: Completion, slot: contextlib.ExitStack, body):
@@ -558,8 +545,8 @@ async def stream_events(first, events, completion: Completion, include_usage: bo
                 break
             event = await anext(events)
     except Exception as error:  # noqa: BLE001 - reported in the stream
-        _, kind, message = classified(error)
-        yield sse(error_body(message, kind))
+        error_status, message = classified(error)
+        yield sse(error_body(message, error_status.openai_type))
     yield sse("[DONE]")
 
 
@@ -604,7 +591,7 @@ def protocol_with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
 
 
 class HttpServer(uvicorn.Server):
-    """uvicorn in the coordinator's event loop: the coordinator owns SIGTERM and the drain (common.server), so
+    """uvicorn in the coordinator's event loop: the coordinator owns SIGTERM and the drain (common.lifecycle), so
     uvicorn installs no signal handlers of its own; `stop()` ends it once the drain is over."""
 
     def capture_signals(self):
@@ -645,7 +632,7 @@ async def start_http(
     sock = bind(host, port)
     config = uvicorn.Config(
         app,
-        log_config=None,  # the process's logging, as configured by common.server.configure_logging
+        log_config=None,  # the process's logging, as configured by common.lifecycle.configure_logging
         log_level="warning",
         lifespan="off",
         timeout_graceful_shutdown=int(FINAL_STOP_SECONDS) or 1,

@@ -10,7 +10,17 @@ from coordinator.pool import Health
 
 # Bucket boundaries in seconds for latencies, as the GenAI semantic conventions advise.
 DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
+PER_TOKEN_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28]
 TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
+ROUND_BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17]  # tokens committed per round: up to gamma 16, plus one
+
+
+def histogram(m, name: str, unit: str, description: str, buckets: list[float]):
+    return m.create_histogram(name, unit=unit, description=description, explicit_bucket_boundaries_advisory=buckets)
+
+
+def counter(m, name: str, unit: str, description: str):
+    return m.create_counter(name, unit=unit, description=description)
 
 
 class CoordinatorMetrics:
@@ -18,65 +28,43 @@ class CoordinatorMetrics:
         """pools: the worker pools (coordinator.pool.WorkerPool) whose state is observed at each collection."""
         self.pools = pools
         m = meter()
-        self.request_duration = m.create_histogram(
-            "gen_ai.server.request.duration",
-            unit="s",
-            description="Time from request to its last token",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        self.request_duration = histogram(
+            m, "gen_ai.server.request.duration", "s", "Time from request to its last token", DURATION_BUCKETS
         )
-        self.time_to_first_token = m.create_histogram(
-            "gen_ai.server.time_to_first_token",
-            unit="s",
-            description="Time from request to its first streamed token",
-            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        self.time_to_first_token = histogram(
+            m, "gen_ai.server.time_to_first_token", "s", "Time from request to its first streamed token", DURATION_BUCKETS
         )
-        self.time_per_output_token = m.create_histogram(
-            "gen_ai.server.time_per_output_token",
-            unit="s",
-            description="Time per token after the first",
-            explicit_bucket_boundaries_advisory=[0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28],
+        self.time_per_output_token = histogram(
+            m, "gen_ai.server.time_per_output_token", "s", "Time per token after the first", PER_TOKEN_BUCKETS
         )
-        self.token_usage = m.create_histogram(
-            "gen_ai.client.token.usage",
-            unit="{token}",
-            description="Input and output tokens per request",
-            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
+        self.token_usage = histogram(
+            m, "gen_ai.client.token.usage", "{token}", "Input and output tokens per request", TOKEN_BUCKETS
         )
-        self.drafted = m.create_counter(
-            "specdec.speculation.drafted_tokens", unit="{token}", description="Tokens the draft proposed"
+        self.drafted = counter(m, "specdec.speculation.drafted_tokens", "{token}", "Tokens the draft proposed")
+        self.accepted = counter(m, "specdec.speculation.accepted_tokens", "{token}", "Proposed tokens accepted")
+        self.drafted_by_position = counter(
+            m, "specdec.speculation.drafted_tokens_by_position", "{token}", "Tokens proposed at each draft position (1-based)"
         )
-        self.accepted = m.create_counter(
-            "specdec.speculation.accepted_tokens", unit="{token}", description="Proposed tokens accepted"
+        self.accepted_by_position = counter(
+            m, "specdec.speculation.accepted_tokens_by_position", "{token}", "Tokens accepted at each draft position (1-based)"
         )
-        self.drafted_by_position = m.create_counter(
-            "specdec.speculation.drafted_tokens_by_position",
-            unit="{token}",
-            description="Tokens proposed at each draft position (1-based)",
+        self.tokens_per_round = histogram(
+            m, "specdec.speculation.tokens_per_round", "{token}", "Tokens committed per round (accepted + 1)", ROUND_BUCKETS
         )
-        self.accepted_by_position = m.create_counter(
-            "specdec.speculation.accepted_tokens_by_position",
-            unit="{token}",
-            description="Tokens accepted at each draft position (1-based)",
+        self.rounds = counter(m, "specdec.speculation.rounds", "{round}", "Speculation rounds (target forward passes)")
+        self.fallbacks = counter(
+            m, "specdec.speculation.fallbacks", "{request}", "Requests that asked for speculation but ran target-only"
         )
-        self.tokens_per_round = m.create_histogram(
-            "specdec.speculation.tokens_per_round",
-            unit="{token}",
-            description="Tokens committed per round (accepted + 1)",
-            explicit_bucket_boundaries_advisory=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17],
-        )
-        self.rounds = m.create_counter(
-            "specdec.speculation.rounds", unit="{round}", description="Speculation rounds (target forward passes)"
-        )
-        self.fallbacks = m.create_counter(
-            "specdec.speculation.fallbacks",
-            unit="{request}",
-            description="Requests that asked for speculation but ran target-only",
-        )
-        self.reopened = m.create_counter(
+        self.reopened = counter(
+            m,
             "specdec.target.reopened_sessions",
-            unit="{session}",
-            description="Target sessions reopened (on another worker if one is healthy) after their worker failed",
+            "{session}",
+            "Target sessions reopened (on another worker if one is healthy) after their worker failed",
         )
+        self.observe_pools(m)
+
+    def observe_pools(self, m) -> None:
+        """Gauges read from the pools at each collection."""
         m.create_observable_gauge(
             "specdec.pool.members",
             [self.observe_members],

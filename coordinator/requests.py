@@ -1,17 +1,16 @@
 """GenerateRequest in, GenerateResponse out: field checks (each error names its field) and conversions."""
 
 import asyncio
-import math
 
 from common.errors import InvalidArgument
 from common.protocol import DRAFT_SOURCES
 from common.sampling import SamplingParams
 from common.tokenizer import CHAT_ROLES, Tokenizer
+from common.validation import check_sampling
 from coordinator.config import CoordinatorConfig
 from coordinator.types import GenerationParams, GenerationResult, RoundStats, TimeSplit
 from coordinator.output import Delta
-from coordinator.pool import Health, Member, WorkerPool
-from specdec.v1 import generation_pb2, worker_pb2
+from specdec.v1 import generation_pb2
 
 # A request's stop strings are matched against every round's text on the event loop that serves all requests:
 # bounded in number and length (vLLM and OpenAI bound the number; the length keeps a round's matching bounded).
@@ -73,17 +72,16 @@ def prompt_tokens_of(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
 
 
 def sampling_of(request: generation_pb2.GenerateRequest) -> SamplingParams:
-    temperature = request.temperature if request.HasField("temperature") else 1.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidArgument("temperature", f"must be a finite number >= 0, got {temperature}")
-    top_p = request.top_p if request.HasField("top_p") else 1.0
-    if not (0 < top_p <= 1):
-        raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
-    top_k = request.top_k if request.HasField("top_k") else 0
-    if top_k < 0:
-        raise InvalidArgument("top_k", f"must be >= 0, got {top_k}")
-    seed = request.seed if request.HasField("seed") else None
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    """The request's sampling fields (unset: SamplingParams' defaults), checked as the workers check theirs."""
+    defaults = SamplingParams()
+    params = SamplingParams(
+        temperature=request.temperature if request.HasField("temperature") else defaults.temperature,
+        top_k=request.top_k if request.HasField("top_k") else defaults.top_k,
+        top_p=request.top_p if request.HasField("top_p") else defaults.top_p,
+        seed=request.seed if request.HasField("seed") else None,
+    )
+    check_sampling(params)
+    return params
 
 
 async def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer, config: CoordinatorConfig) -> GenerationParams:
@@ -174,43 +172,3 @@ def stream_message_of(event: Delta | GenerationResult, include_rounds: bool = Fa
             delta=generation_pb2.GenerateDelta(text=event.text, token_ids=event.token_ids)
         )
     return generation_pb2.GenerateStreamResponse(final=response_of(event, include_rounds))
-
-
-MEMBER_HEALTH = {
-    Health.UNKNOWN: generation_pb2.MEMBER_HEALTH_UNSPECIFIED,
-    Health.SERVING: generation_pb2.MEMBER_HEALTH_SERVING,
-    Health.NOT_SERVING: generation_pb2.MEMBER_HEALTH_NOT_SERVING,
-    Health.UNREACHABLE: generation_pb2.MEMBER_HEALTH_UNREACHABLE,
-    Health.REFUSED: generation_pb2.MEMBER_HEALTH_REFUSED,
-}
-ROLES = {"target": worker_pb2.WORKER_ROLE_TARGET, "draft": worker_pb2.WORKER_ROLE_DRAFT}
-
-
-def member_of(member: Member) -> generation_pb2.PoolMember:
-    info = member.info
-    return generation_pb2.PoolMember(
-        address=member.address,
-        health=MEMBER_HEALTH[member.health],
-        model_name=info.model_name if info else "",
-        sessions=member.sessions,
-        coordinator_sessions=member.local,
-        max_sessions=info.max_sessions if info else 0,
-        sessions_placed=member.placed,
-        detail=member.detail,
-    )
-
-
-def status_of(
-    pools: list[WorkerPool], active_requests: int, target_model: str, draft_model: str
-) -> generation_pb2.GetStatusResponse:
-    return generation_pb2.GetStatusResponse(
-        pools=[
-            generation_pb2.WorkerPool(
-                role=ROLES[pool.role], configured=pool.configured, members=[member_of(m) for m in pool.members.values()]
-            )
-            for pool in pools
-        ],
-        active_requests=active_requests,
-        target_model=target_model,
-        draft_model=draft_model,
-    )

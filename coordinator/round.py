@@ -15,6 +15,7 @@ from typing import Protocol
 from opentelemetry.context import Context
 
 from common.rounds import DraftSource, Proposal, Verdict
+from common.timing import elapsed_us
 from coordinator.types import RoundStats, TimeSplit
 
 
@@ -158,7 +159,7 @@ async def pre_draft(workers: RoundWorkers, sync: DraftSync, g: int, phase: Phase
     start = time.perf_counter()
     with phase("draft", g, True) as parent:
         proposal = await workers.propose(*sync.take(), g, parent, assume_accepted=True)
-    return proposal, elapsed_us(start, time.perf_counter())
+    return proposal, elapsed_us(start)
 
 
 def round_stats(result: RoundResult, wall_us: int) -> RoundStats:
@@ -228,7 +229,3 @@ def raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError()
-
-
-def elapsed_us(start: float, end: float) -> int:
-    return int((end - start) * 1e6)

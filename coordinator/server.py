@@ -5,14 +5,17 @@ import asyncio
 import contextlib
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health
 
 from common.models import load_tokenizer
-from common.server import FINAL_STOP_SECONDS, NO_RETRY, ServerOptions, abort_with, run_until_signalled, start_serving
+from common.config import ServerOptions
+from common.grpc_errors import reports_errors, retries_spent
+from common.grpc_server import start_serving
+from common.lifecycle import FINAL_STOP_SECONDS, run_until_signalled
 from common.services import check_parsed
 from common.telemetry import context_from
 from common.config import ConfigError
@@ -22,7 +25,8 @@ from draft_worker.server import model_free_proposer
 from coordinator.admission import Admission
 from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, HttpSettings, PoolSettings
 from coordinator.engine import GenerationEngine, check_pair
-from coordinator.requests import params_of, response_of, status_of, stream_message_of
+from coordinator.pool_status import status_of
+from coordinator.requests import params_of, response_of, stream_message_of
 from coordinator.local_draft import LocalDraftWorkers
 from coordinator.worker_clients import GrpcWorkers
 from coordinator.workers import WorkerInfo, Workers
@@ -50,42 +54,33 @@ class GenerationServicer:
         self.admission = admission
 
     @contextlib.asynccontextmanager
-    async def admitted(self, request, context: grpc.aio.ServicerContext):
+    async def admitted(self, request):
         """Checks capacity before any work (credentials were checked before the call began: common.auth); holds a
-        request slot while the request runs."""
+        request slot while the request runs. A refusal at admission (draining) is for the client to retry
+        elsewhere; a request that ran has already had its retries on the workers (retries_spent)."""
         check_parsed(request)
         with self.admission.slot():
-            yield await params_of(request, self.engine.tokenizer, self.engine.config)
+            params = await params_of(request, self.engine.tokenizer, self.engine.config)
+            with retries_spent():
+                yield params
 
+    @reports_errors
     async def Generate(self, request, context):
-        admitted = False
-        try:
-            async with self.admitted(request, context) as params:
-                admitted = True
-                result = await self.engine.generate_all(params, client_trace_context(context), context.time_remaining())
-                return response_of(result, request.include_rounds)
-        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
-            # A refusal at admission (draining) is for the client to retry elsewhere; a request that ran has
-            # already had its retries on the workers.
-            await abort_with(context, error, NO_RETRY if admitted else ())
+        async with self.admitted(request) as params:
+            result = await self.engine.generate_all(params, client_trace_context(context), context.time_remaining())
+            return response_of(result, request.include_rounds)
 
+    @reports_errors
     async def GenerateStream(self, request, context):
-        admitted = False
-        try:
-            async with self.admitted(request, context) as params:
-                admitted = True
-                async for event in self.engine.generate(params, client_trace_context(context), context.time_remaining()):
-                    yield stream_message_of(event, request.include_rounds)
-        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
-            await abort_with(context, error, NO_RETRY if admitted else ())
+        async with self.admitted(request) as params:
+            async for event in self.engine.generate(params, client_trace_context(context), context.time_remaining()):
+                yield stream_message_of(event, request.include_rounds)
 
+    @reports_errors
     async def GetStatus(self, request, context):
-        try:
-            engine = self.engine
-            draft = engine.draft.model_name if engine.draft else ""
-            return status_of(engine.workers.status(), self.admission.active, engine.target.model_name, draft)
-        except Exception as error:  # noqa: BLE001 - every failure becomes a gRPC status, never a crash
-            await abort_with(context, error)
+        engine = self.engine
+        draft = engine.draft.model_name if engine.draft else ""
+        return status_of(engine.workers.status(), self.admission.active, engine.target.model_name, draft)
 
 
 def default_gamma_for(has_draft: bool) -> int:
@@ -115,8 +110,8 @@ async def build_engine(
             draft = await asyncio.wait_for(workers.draft_info(), draft_timeout)
         except Exception as error:  # noqa: BLE001 - the coordinator serves target-only until the draft is up
             log.warning("draft worker not reachable at start-up (%s); serving target-only until it is", error)
-    if config.default_num_speculative_tokens is None:
-        config.default_num_speculative_tokens = default_gamma_for(workers.has_draft)
+    if config.default_num_speculative_tokens is None:  # the caller's config stays as given
+        config = replace(config, default_num_speculative_tokens=default_gamma_for(workers.has_draft))
     return GenerationEngine(workers, tokenizer, target, draft, config)
 
 
@@ -160,7 +155,7 @@ async def launch(
     server, health_servicer, bound = await start_serving(
         SERVICE, GenerationServicer(engine, admission), options, CONNECTION_AGE, token=auth_token
     )
-    engine.config.server_address, engine.config.server_port = advertised_host(options.host), bound
+    engine.listening_on(advertised_host(options.host), bound)
     coordinator = Coordinator(server, health_servicer, bound, admission)
     if http_port is not None:
         from coordinator.http_api import build_app, start_http  # FastAPI and uvicorn only where the API is served
@@ -219,7 +214,7 @@ async def serve(
         ", ".join(workers.target_pool.configured),
         engine.draft.model_name if engine.draft else "not connected yet" if workers.has_draft else "none",
         ", ".join(workers.draft_pool.configured) if workers.draft_pool else "in this process" if workers.has_draft else "-",
-        config.default_num_speculative_tokens,
+        engine.config.default_num_speculative_tokens,
     )
     await run_until_signalled(
         coordinator.server, coordinator.health, [SERVICE.full_name], options.grace_period, coordinator.admission.lifecycle

@@ -9,14 +9,6 @@ from dataclasses import dataclass, field, fields
 
 from common.rounds import DraftSource
 from common.sampling import SamplingParams
-from specdec.v1 import generation_pb2
-
-# OpenAI's and the GenAI conventions' names: an end-of-sequence token and a stop string both "stop".
-FINISH_REASON_NAMES = {
-    generation_pb2.FINISH_REASON_LENGTH: "length",
-    generation_pb2.FINISH_REASON_EOS: "stop",
-    generation_pb2.FINISH_REASON_STOP: "stop",
-}
 
 
 @dataclass

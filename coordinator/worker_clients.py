@@ -11,9 +11,9 @@ from opentelemetry.context import Context
 from common.auth import token_interceptors
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerFailed
 from common.protocol import DRAFT_SOURCE_OF, distribution_from_proto, distribution_to_proto, sampling_to_proto
-from common.rounds import DraftSource, Proposal, Verdict
+from common.rounds import DraftQ, DraftSource, Proposal, Verdict
 from common.sampling import SamplingParams, SparseDistribution
-from common.server import CHANNEL_OPTIONS
+from common.grpc_options import CHANNEL_OPTIONS
 from common.tls import TlsFiles, channel_credentials
 from coordinator.addresses import parse_addresses
 from coordinator.config import PoolSettings
@@ -57,7 +57,7 @@ def error_from_status(code: grpc.StatusCode, details: str | None, worker: str) -
     return WorkerFailed(f"{worker} worker failed: {code.name}: {details}")
 
 
-def wire_form(dist: SparseDistribution | worker_pb2.SparseDistribution) -> worker_pb2.SparseDistribution:
+def wire_form(dist: DraftQ) -> worker_pb2.SparseDistribution:
     """q as the target receives it. A proposal that came over gRPC holds its q as received, so that it travels
     on without a round of conversions to tensors and back."""
     return dist if isinstance(dist, worker_pb2.SparseDistribution) else distribution_to_proto(dist)

@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 from opentelemetry.context import Context
 
 from common.batcher import run_alone
-from common.cached_sequence import elapsed_us
 from common.config import DraftWorkerConfig
 from common.errors import FailedPrecondition, InvalidArgument
 from common.memory import kv_token_budget
+from common.protocol import worker_info
 from common.rounds import Proposal
 from common.sampling import SamplingParams
 from common.sessions import SessionRegistry, session_reservation
 from common.telemetry import tracer
+from common.timing import elapsed_us
 from common.validation import check_count, check_sampling
 from common.wire_limits import MAX_Q_ENTRIES, MAX_STEP_TOKENS
 from common.worker_metrics import WorkerMetrics
@@ -211,15 +212,12 @@ class DraftEngine:
 
     def info(self) -> dict:
         proposer = self.proposer
-        return {
-            "model_name": self.name,
-            "vocab_size": proposer.vocab_size,
-            "device": proposer.device,
-            "max_context_length": proposer.max_context_length,
-            "active_sessions": len(self.sessions),
-            "max_sessions": self.sessions.max_sessions,
-            "max_kv_tokens": self.sessions.max_kv_tokens or 0,
-            "reserved_kv_tokens": self.sessions.reserved_kv_tokens,
-            "forward_costs": proposer.forward_costs,
-            **proposer.describe(),
-        }
+        return worker_info(
+            self.name,
+            proposer.vocab_size,
+            proposer.device,
+            proposer.max_context_length,
+            self.sessions,
+            proposer.forward_costs,
+            proposer.describe(),
+        )

@@ -6,7 +6,8 @@ import torch
 from common.batched_forward import as_sampling_input
 from common.cached_sequence import CachedSequence, forward_batch
 from common.model_runner import ModelRunner
-from common.models import LoadedModel
+from common.loaded_model import LoadedModel
+from common.protocol import model_info
 from common.rounds import DraftSource, Proposal
 from common.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, truncate_probs
 from common.validation import check_prompt, check_token_ids
@@ -55,7 +56,7 @@ class ModelDraftSession:
 
     def sync(self, num_accepted: int, committed: list[int]) -> None:
         sequence = self.sequence
-        sequence.rollback(len(sequence.tokens) + num_accepted)
+        sequence.crop_to(len(sequence.tokens) + num_accepted)
         sequence.tokens += self.chain[:num_accepted] + committed
         self.chain = []
 
@@ -139,10 +140,4 @@ class ModelProposer(Proposer):
                     failed[n] = error
 
     def describe(self) -> dict:
-        loaded = self.loaded
-        return {
-            "tokenizer_fingerprint": loaded.tokenizer.fingerprint,
-            "dtype": str(loaded.dtype).removeprefix("torch."),
-            "eos_token_ids": loaded.tokenizer.eos_token_ids,
-            "engine": loaded.engine,
-        }
+        return model_info(self.loaded)

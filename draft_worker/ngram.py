@@ -1,6 +1,6 @@
 """Prompt lookup: propose what followed the most recent earlier occurrence of the sequence's last n tokens."""
 
-from common.models import parse_spec_params
+from common.model_specs import parse_spec_params
 from common.rounds import DraftSource, Proposal
 from common.sampling import SamplingParams
 from draft_worker.proposer import Proposer, deterministic_proposal

@@ -4,10 +4,11 @@ import asyncio
 
 import grpc
 
-from common.config import DraftWorkerConfig
+from common.config import DraftWorkerConfig, ServerOptions
 from common.models import load_model
 from common.protocol import DRAFT_SOURCES, distribution_to_proto, sampling_from_proto, timing_to_proto
-from common.server import ServerOptions, SessionStreamServicer, serve_worker, start_serving
+from common.grpc_server import start_serving
+from common.session_stream import SessionStreamServicer, serve_worker
 from draft_worker.engine import DraftCall, DraftEngine
 from draft_worker.hybrid import HybridProposer
 from draft_worker.model_proposer import ModelProposer

@@ -14,7 +14,7 @@ tokens are proposed, so how fast it runs), never its output distribution. `suffi
 import threading
 
 from common.errors import InvalidArgument
-from common.models import parse_spec_params
+from common.model_specs import parse_spec_params
 from common.rounds import DraftSource, Proposal
 from common.sampling import SamplingParams
 from draft_worker.proposer import Proposer, deterministic_proposal

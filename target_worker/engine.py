@@ -13,17 +13,17 @@ import torch
 from opentelemetry.context import Context
 
 from common.batched_forward import as_sampling_input
-from common.batcher import CONTINUE, run_alone
-from common.cached_sequence import CachedSequence, elapsed_us, forward_batch
+from common.batcher import CONTINUE, Continue, run_alone
+from common.cached_sequence import CachedSequence, forward_batch
 from common.config import WorkerConfig
 from common.cost_curve import cheapest_rows
 from common.memory import kv_token_budget
 from common.errors import FailedPrecondition, InvalidArgument
-from common.models import LoadedModel
-from common.rounds import Verdict
+from common.loaded_model import LoadedModel
+from common.protocol import model_info, worker_info
+from common.rounds import DraftQ, Verdict
 from common.sampling import (
     SamplingParams,
-    SparseDistribution,
     accept_while_argmax,
     logits_to_probs,
     make_generator,
@@ -32,6 +32,7 @@ from common.sampling import (
 )
 from common.sessions import SessionRegistry, session_reservation
 from common.telemetry import tracer
+from common.timing import elapsed_us
 from common.worker_metrics import WorkerMetrics
 from common.wire_limits import MAX_P_ENTRIES, MAX_Q_ENTRIES, MAX_STEP_TOKENS
 from common.validation import (
@@ -64,7 +65,7 @@ class VerifyCall:
 
     session: TargetSession
     draft_tokens: list[int]
-    draft_dists: list[SparseDistribution]  # for a greedy session, possibly q as received (only checked, never read)
+    draft_dists: list[DraftQ]  # a sampled session's as tensors; a greedy one's maybe as received (only checked)
     parent: Context | None = None
     queued_at: float = 0.0  # set by the batcher
     queue_us: int = 0
@@ -147,7 +148,7 @@ class TargetEngine:
         for i, dist in enumerate(draft_dists):
             check_count(len(dist.token_ids), MAX_Q_ENTRIES, f"step.draft_distributions[{i}].token_ids")
 
-    def check_step(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> None:
+    def check_step(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[DraftQ]) -> None:
         vocab = self.loaded.vocab_size
         self.check_step_size(draft_tokens, draft_dists)
         check_token_ids(draft_tokens, vocab, "step.draft_token_ids")
@@ -163,7 +164,7 @@ class TargetEngine:
                 "step.draft_token_ids", f"the sequence would exceed the session's {limit} tokens (start.max_tokens, the context)"
             )
 
-    def verify(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[SparseDistribution]) -> Verdict:
+    def verify(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[DraftQ]) -> Verdict:
         """One session's round on its own (a batch of one)."""
         return run_alone(self.run_batch, VerifyCall(session, draft_tokens, draft_dists))
 
@@ -173,6 +174,34 @@ class TargetEngine:
         the weights are streamed once for all of them). A call that fails its checks gets its error; the others
         still run."""
         results: list = [None] * len(calls)
+        ready = self.checked(calls, results)
+        if not ready:
+            return results
+        feeds = self.feeds([calls[i] for i in ready])
+        batch_tokens = sum(len(f) for f in feeds)
+        start = time.perf_counter()
+        spans = [self.start_span(calls[i], len(ready), batch_tokens) for i in ready]
+        fed, batch = self.batch_of(calls, ready, feeds, batch_tokens)
+        try:
+            logits = forward_batch(*batch) if fed else []
+        except BaseException:
+            for span in spans:
+                span.end()
+            raise
+        forward_us = elapsed_us(start)
+        rows = dict(zip(fed, logits, strict=False))
+        for i, span in zip(ready, spans, strict=True):
+            call = calls[i]
+            if isinstance(call, PrefillCall):
+                span.end()
+                results[i] = self.prefilled(call, forward_us)
+            else:
+                results[i] = self.verified(call, rows[i], span, forward_us, len(ready), batch_tokens)
+        self.metrics.record_forward("verify", elapsed_us(start) / 1e6)
+        return results
+
+    def checked(self, calls: list["VerifyCall | PrefillCall"], results: list) -> list[int]:
+        """The indices of the calls that pass their checks; each other call's error goes into results."""
         ready = []
         for i, call in enumerate(calls):
             try:
@@ -183,12 +212,13 @@ class TargetEngine:
                 ready.append(i)
             except Exception as error:  # noqa: BLE001 - one bad message fails its own stream only
                 results[i] = error
-        if not ready:
-            return results
-        feeds = self.feeds([calls[i] for i in ready])
-        batch_tokens = sum(len(f) for f in feeds)
-        start = time.perf_counter()
-        spans = [self.start_span(calls[i], len(ready), batch_tokens) for i in ready]
+        return ready
+
+    def batch_of(
+        self, calls: list["VerifyCall | PrefillCall"], ready: list[int], feeds: list[list[int]], batch_tokens: int
+    ) -> tuple[list[int], tuple[list[CachedSequence], list[list[int]], list[int]]]:
+        """The pass's input: the indices of the calls that feed tokens, and forward_batch's arguments (sequences,
+        their tokens, the logits rows to keep), padded to the cheapest row count."""
         fed = [(i, f) for i, f in zip(ready, feeds, strict=True) if f]  # a one-token prompt has nothing to prefill
         sequences = [calls[i].session.sequence for i, _ in fed]
         feeds = [f for _, f in fed]
@@ -199,38 +229,30 @@ class TargetEngine:
             # Its logits are computed too: the curve was measured with logits for every token.
             pad = CachedSequence(self.runner, [])
             sequences, feeds, keep = [*sequences, pad], [*feeds, [0] * padding], [*keep, padding]
+        return [i for i, _ in fed], (sequences, feeds, keep)
+
+    def prefilled(self, call: PrefillCall, forward_us: int) -> SessionOpened | FailedPrecondition | Continue:
+        """An opening session after this pass: CONTINUE while chunks of its prompt remain, then SessionOpened."""
+        call.compute_us += forward_us
+        sequence = call.session.sequence
+        if sequence.cache_len < len(sequence.tokens) - 1:
+            return CONTINUE  # chunks of its prompt still to run
+        if not self.sessions.add(call.session.session_id, call.session):
+            return FailedPrecondition("the opening was abandoned")
+        return SessionOpened(call.session.session_id, sequence.cache_len, call.compute_us)
+
+    def verified(
+        self, call: VerifyCall, logits: torch.Tensor, span, forward_us: int, batch_size: int, batch_tokens: int
+    ) -> Verdict | Exception:
+        """A round's verdict on the rows this pass scored for it, with the pass's figures."""
         try:
-            logits = forward_batch(sequences, feeds, keep) if fed else []
-        except BaseException:
-            for span in spans:
-                span.end()
-            raise
-        forward_us = elapsed_us(start)
-        rows = dict(zip([i for i, _ in fed], logits, strict=False))
-        for i, span in zip(ready, spans, strict=True):
-            call = calls[i]
-            if isinstance(call, PrefillCall):
-                span.end()
-                call.compute_us += forward_us
-                if call.session.sequence.cache_len < len(call.session.sequence.tokens) - 1:
-                    results[i] = CONTINUE  # chunks of its prompt still to run
-                    continue
-                if not self.sessions.add(call.session.session_id, call.session):
-                    results[i] = FailedPrecondition("the opening was abandoned")
-                    continue
-                results[i] = SessionOpened(call.session.session_id, call.session.sequence.cache_len, call.compute_us)
-                continue
-            try:
-                verdict = self.decide(call, rows[i], span)
-            except Exception as error:  # noqa: BLE001 - fails this session's stream (and frees it), not the batch
-                results[i] = error
-                continue
-            verdict.batch_size, verdict.batch_tokens = len(ready), batch_tokens
-            verdict.compute_us += forward_us
-            verdict.queue_us = call.queue_us
-            results[i] = verdict
-        self.metrics.record_forward("verify", elapsed_us(start) / 1e6)
-        return results
+            verdict = self.decide(call, logits, span)
+        except Exception as error:  # noqa: BLE001 - fails this session's stream (and frees it), not the batch
+            return error
+        verdict.batch_size, verdict.batch_tokens = batch_size, batch_tokens
+        verdict.compute_us += forward_us
+        verdict.queue_us = call.queue_us
+        return verdict
 
     def feeds(self, calls: list["VerifyCall | PrefillCall"]) -> list[list[int]]:
         """What each call feeds this pass: a round its pending and drafted tokens; a prefill the next chunk of its
@@ -298,7 +320,7 @@ class TargetEngine:
             attributes={"specdec.worker": "target", "specdec.rollback": gamma - num_accepted},
         ):
             sync_start = time.perf_counter()
-            sequence.rollback(len(sequence.tokens) + num_accepted)
+            sequence.crop_to(len(sequence.tokens) + num_accepted)
             sync_us = elapsed_us(sync_start)
         self.metrics.record_rollback(sync_us / 1e6)
         sequence.tokens += draft_tokens[:num_accepted] + [next_token]
@@ -309,18 +331,12 @@ class TargetEngine:
 
     def info(self) -> dict:
         loaded = self.loaded
-        return {
-            "model_name": loaded.name,
-            "vocab_size": loaded.vocab_size,
-            "tokenizer_fingerprint": loaded.tokenizer.fingerprint,
-            "device": str(loaded.device),
-            "dtype": str(loaded.dtype).removeprefix("torch."),
-            "max_context_length": loaded.max_context_length,
-            "active_sessions": len(self.sessions),
-            "max_sessions": self.sessions.max_sessions,
-            "max_kv_tokens": self.sessions.max_kv_tokens or 0,
-            "reserved_kv_tokens": self.sessions.reserved_kv_tokens,
-            "eos_token_ids": loaded.tokenizer.eos_token_ids,
-            "forward_costs": self.forward_costs,
-            "engine": loaded.engine,
-        }
+        return worker_info(
+            loaded.name,
+            loaded.vocab_size,
+            loaded.device,
+            loaded.max_context_length,
+            self.sessions,
+            self.forward_costs,
+            model_info(loaded),
+        )

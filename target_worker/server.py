@@ -2,10 +2,11 @@
 
 import grpc
 
-from common.config import WorkerConfig
+from common.config import ServerOptions, WorkerConfig
 from common.models import load_model
 from common.protocol import distribution_from_proto, distribution_to_proto, sampling_from_proto, timing_to_proto
-from common.server import ServerOptions, SessionStreamServicer, serve_worker, start_serving
+from common.grpc_server import start_serving
+from common.session_stream import SessionStreamServicer, serve_worker
 from specdec.v1 import target_pb2, worker_pb2
 from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
 

@@ -3,8 +3,12 @@ fields are there, every greedy output matches both references."""
 
 import json
 
+import pytest
+
 from bench.pair import ALL_SYSTEMS, SPECDEC_SYSTEMS
 from tests.conftest import run_quick_bench
+
+pytestmark = pytest.mark.slow
 
 
 def test_quick_pair_bench_compares_every_system_and_reports_cost_curves(tmp_path):

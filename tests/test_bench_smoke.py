@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from tests.conftest import TARGET, run_quick_bench
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_json_report_and_plots(tmp_path):
     out = run_quick_bench(tmp_path, "speedup", max_new_tokens=16)
     for name in (
@@ -38,6 +41,7 @@ def test_quick_bench_writes_json_report_and_plots(tmp_path):
         assert heading in report
 
 
+@pytest.mark.slow
 def test_quick_performance_bench_reports_schedules_concurrency_and_overlap(tmp_path):
     out = run_quick_bench(tmp_path, "performance", "--overlap-draft-model", f"{TARGET},noise=0.1")
     assert (out / "report.md").stat().st_size > 0
@@ -108,6 +112,7 @@ def test_the_prefill_report_shows_each_streams_worst_gap_in_one_pass_and_in_chun
     assert "| chunks of 256 | 1800 / 1900 / 2000 / 2100 | 40 | 38 | 20.00 | NO | none |" in text
 
 
+@pytest.mark.slow
 def test_quick_drafting_bench_compares_the_drafting_sources_on_both_workloads_and_under_load(tmp_path):
     out = run_quick_bench(tmp_path, "drafting")
     results = json.loads((out / "results.json").read_text())

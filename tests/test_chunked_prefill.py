@@ -3,12 +3,14 @@ delays each of their rounds by one chunk at most; every output stays what it is 
 
 import asyncio
 
+import pytest
+
 from coordinator.client import build_request
 from coordinator.config import CoordinatorConfig
 from draft_worker.engine import DraftEngine
 from draft_worker.model_proposer import ModelProposer
 from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
-from tests.conftest import draft_spec, running_services
+from tests.conftest import draft_spec, running_services, wait_until
 
 CHUNK = 64
 LONG_PROMPT = [(5 * j) % 250 + 1 for j in range(1500)]
@@ -44,7 +46,7 @@ def test_a_long_prompt_arriving_during_four_streams_is_prefilled_in_chunks_betwe
             target.passes.clear()
 
             streams = [asyncio.ensure_future(services.stub.Generate(stream_request(i))) for i in range(4)]
-            await asyncio.sleep(0.05)  # the streams are under way
+            await wait_until(lambda: any(rounds for _, rounds in target.passes), message="the streams are under way")
             long = await services.stub.Generate(long_request)
             outputs = [list(r.token_ids) for r in await asyncio.gather(*streams)]
 
@@ -60,6 +62,7 @@ def test_a_long_prompt_arriving_during_four_streams_is_prefilled_in_chunks_betwe
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_on_the_gguf_engine_a_chunked_prefill_scores_bit_identically_to_one_pass():
     # Its rows are computed on their own (kernels and attention alike), so the chunking of a prompt changes no bit
     # of what the cache then scores: prompts longer than a chunk keep the outputs of an unchunked prefill. (The

@@ -155,7 +155,7 @@ def test_flags_are_derived_from_any_settings_class():
 
 
 def test_constructors_take_their_defaults_from_the_settings():
-    from common.server import SessionStreamServicer
+    from common.session_stream import SessionStreamServicer
     from coordinator.server import start_coordinator_server
     from draft_worker.engine import DraftEngine
     from target_worker.engine import TargetEngine
@@ -189,13 +189,13 @@ def test_common_imports_no_service():
 
 
 def test_eos_is_named_stop_by_the_engine_and_the_client():
-    from coordinator import engine, types
+    from coordinator import engine, finish_reasons
     from coordinator.client import response_to_dict
 
     eos = generation_pb2.FINISH_REASON_EOS
-    assert types.FINISH_REASON_NAMES[eos] == "stop" and engine.FINISH_REASON_NAMES[eos] == "stop"
+    assert finish_reasons.FINISH_REASON_NAMES[eos] == "stop" and engine.FINISH_REASON_NAMES[eos] == "stop"
     assert response_to_dict(generation_pb2.GenerateResponse(finish_reason=eos))["finish_reason"] == "stop"
-    for reason, name in types.FINISH_REASON_NAMES.items():
+    for reason, name in finish_reasons.FINISH_REASON_NAMES.items():
         assert response_to_dict(generation_pb2.GenerateResponse(finish_reason=reason))["finish_reason"] == name
 
 

@@ -102,6 +102,7 @@ def chi_square_p_value(samples: list[tuple[int, ...]], exact: dict[tuple[int, ..
     return float(stats.chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3), SamplingParams(temperature=1.2, top_p=0.8)],
@@ -136,6 +137,7 @@ def small_vocab_models():
     return load_model(target), load_model(f"{target},noise=1.5")
 
 
+@pytest.mark.slow
 def test_overlapped_speculation_follows_the_exact_target_distribution(small_vocab_models):
     """Overlap drafts the next round before the verdict and keeps that work only when the verdict matches what it
     assumed; the kept proposals must not bias the output."""

@@ -12,6 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, free_port, is_serving
+from tests.conftest import wait_until
+
+# Each test starts (and breaks) a cluster of processes of its own.
+pytestmark = pytest.mark.slow
 
 TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
 DRAFT = f"{TARGET},noise=0.1"
@@ -20,10 +24,7 @@ LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
 def wait_serving(address: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not is_serving(address):
-        assert time.monotonic() < deadline, f"{address} did not come back"
-        time.sleep(0.1)
+    wait_until(lambda: is_serving(address), timeout, interval=0.1, message=f"{address} did not come back")
 
 
 @pytest.fixture
@@ -46,31 +47,46 @@ def stream_with_fault(client: GenerationClient, fault, after_messages: int = 3):
     return ids, final
 
 
+def speculated(response) -> list[int]:
+    """The response's tokens, once checked to come from a request that speculated throughout."""
+    assert response.speculation.drafted_tokens > 0 and not response.speculation.fallback_reason, response.speculation
+    return list(response.token_ids)
+
+
 def test_killing_the_draft_mid_request_finishes_target_only_with_identical_output(cluster):
     with GenerationClient(cluster.address) as client:
-        reference = list(client.generate(PROMPT, **LONG).token_ids)
+        reference = speculated(client.generate(PROMPT, **LONG))
         ids, final = stream_with_fault(client, lambda: cluster.kill("draft"))
         assert ids == reference == list(final.token_ids)
         assert final.speculation.rounds > final.speculation.drafted_tokens / 4, "rounds after the fault run without a draft"
+        assert final.speculation.fallback_reason == "draft_failed"
         # While the draft is down, requests run target-only at once; once it is back they speculate again.
         down = client.generate(PROMPT, max_new_tokens=20, temperature=0, ignore_eos=True)
         assert down.speculation.drafted_tokens == 0 and list(down.token_ids) == reference[:20]
+        assert down.speculation.fallback_reason == "draft_unavailable"
         cluster.restart("draft")
         wait_serving(cluster.draft_address)
-        deadline = time.monotonic() + 40
-        while client.generate(PROMPT, max_new_tokens=20, temperature=0).speculation.drafted_tokens == 0:
-            assert time.monotonic() < deadline, "the coordinator did not reconnect to the restarted draft worker"
-            time.sleep(0.5)
+
+        def speculating():
+            response = client.generate(PROMPT, max_new_tokens=20, temperature=0)
+            return response if response.speculation.drafted_tokens > 0 else None
+
+        back = wait_until(
+            speculating, timeout=40, interval=0.5, message="the coordinator did not reconnect to the restarted draft worker"
+        )
+        assert not back.speculation.fallback_reason
 
 
 def test_a_hanging_draft_misses_its_round_deadline_and_the_request_goes_on(cluster):
     draft = cluster.by_role["draft"]
     with GenerationClient(cluster.address) as client:
-        reference = list(client.generate(PROMPT, **LONG).token_ids)
+        reference = speculated(client.generate(PROMPT, **LONG))
         try:
             started = time.monotonic()
             ids, final = stream_with_fault(client, lambda: os.kill(draft.pid, signal.SIGSTOP))
             assert ids == reference and time.monotonic() - started < 20
+            assert final.speculation.fallback_reason == "draft_timeout"
+            assert final.speculation.rounds > final.speculation.drafted_tokens / 4, "rounds after the fault run without a draft"
         finally:
             os.kill(draft.pid, signal.SIGCONT)
 
@@ -85,6 +101,7 @@ def test_restarting_the_target_mid_request_finishes_identically(cluster):
 
         ids, final = stream_with_fault(client, crash_and_restart)
         assert ids == reference == list(final.token_ids), "tokens were repeated or lost across the restart"
+        assert speculated(final) == reference, "the target's restart turned speculation off"
 
 
 def test_a_target_that_stays_down_fails_the_request_with_unavailable(cluster):
@@ -107,14 +124,17 @@ def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(cluster):
 
         def terminate():
             coordinator.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
-            assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            wait_until(
+                lambda: health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING,
+                message="the coordinator did not report NOT_SERVING after SIGTERM",
+            )
             with pytest.raises(grpc.RpcError) as error:
                 client.generate(PROMPT, max_new_tokens=4)
             refused.append(error.value.code())
 
         ids, final = stream_with_fault(client, terminate)
         assert ids == reference and final is not None
+        assert speculated(final) == reference, "draining turned speculation off"
         assert refused == [grpc.StatusCode.UNAVAILABLE]
     assert coordinator.wait(timeout=20) == 0
 
@@ -142,6 +162,7 @@ def test_coordinator_starts_and_serves_while_the_draft_worker_is_down(tmp_path):
         with GenerationClient(f"localhost:{port}") as client:
             response = client.generate(PROMPT, max_new_tokens=10, temperature=0, ignore_eos=True)
         assert response.usage.completion_tokens == 10 and response.speculation.drafted_tokens == 0
+        assert response.speculation.fallback_reason == "draft_unavailable"
     finally:
         for process in (coordinator, target):
             process.terminate()

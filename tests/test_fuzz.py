@@ -93,6 +93,7 @@ def assert_healthy(channels, services) -> None:
         assert response.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.slow
 @FUZZ
 @given(request=generate_requests(), stream=st.booleans())
 def test_any_generate_request_gets_a_result_or_a_clear_error(channels, request, stream):

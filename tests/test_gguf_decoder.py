@@ -65,6 +65,7 @@ def test_attention_refuses_buffers_that_cannot_hold_the_pass():
         kernels().attend_sessions(q, k, k, [small], [small], [0], [4], 0.125)
 
 
+@pytest.mark.slow
 def test_the_pass_scores_as_transformers_forward_on_the_same_blocks():
     """Quantized activations turn any change of float rounding into a different rounding of some int8 codes, so two
     correct passes differ by about as much as each differs from the float32 model: the check is that ours is no

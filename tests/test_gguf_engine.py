@@ -15,7 +15,8 @@ import torch
 
 from common import memory
 from common.errors import InvalidArgument, ResourceExhausted
-from common.models import gguf_path, load_model, resolve_engine
+from common.model_specs import gguf_path
+from common.models import load_model, resolve_engine
 from common.quantized import formats
 from common.quantized.gguf_file import read_tensors
 from common.quantized.kernels import kernels
@@ -209,6 +210,7 @@ def test_a_sessions_logits_are_bit_identical_alone_in_any_pass_and_in_any_batch(
     assert torch.equal(batch[1], steps[:5])
 
 
+@pytest.mark.slow
 def test_greedy_speculation_on_the_gguf_engine_equals_target_only(smollm2):
     drafts = [
         DraftEngine(PromptLookupProposer(), "ngram"),
@@ -247,6 +249,7 @@ def exact_two_token_distribution(loaded, params: SamplingParams) -> dict[tuple[i
     return out
 
 
+@pytest.mark.slow
 def test_speculative_samples_on_the_gguf_engine_follow_the_exact_target_distribution(smollm2):
     params = SamplingParams(temperature=1.5, top_k=3)
     draft = load_model(SMOLLM2 + "#layers=6", engine="gguf")

@@ -4,16 +4,19 @@ transformers reads from the file, without parsing it again."""
 import os
 import shutil
 
+import pytest
 import transformers
 
 from common.gguf_metadata import cache_key, converted_folder
-from common.models import hf_source, load_tokenizer
+from common.model_specs import hf_source
+from common.models import load_tokenizer
 from common.tokenizer import HFTokenizer
 
 SMOLLM2 = "smollm2-135m"
 TEXTS = ["def f(x):\n    return x**2  # ünïcode 你好", "  leading spaces\t\ttabs\n\n", "<|im_end|>hello<|im_start|>"]
 
 
+@pytest.mark.slow
 def test_the_cached_config_and_tokenizer_are_what_transformers_reads_from_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     folder, kwargs = hf_source(SMOLLM2)

@@ -13,7 +13,7 @@ from coordinator.server import build_engine, launch
 from coordinator.worker_clients import GrpcWorkers
 from target_worker.engine import TargetEngine
 from target_worker.server import start_target_server
-from tests.conftest import TARGET, wait_for
+from tests.conftest import TARGET, wait_until
 
 
 @contextlib.asynccontextmanager
@@ -66,7 +66,7 @@ def test_an_http_request_past_its_deadline_gets_504_and_frees_its_session(target
                 response = await client.post(f"http://127.0.0.1:{coordinator.http_port}/v1/completions", json=body)
             assert response.status_code == 504, response.text
             assert "--http-request-timeout" in response.json()["error"]["message"]
-            assert await wait_for(lambda: len(engine.sessions) == 0, 5)
+            await wait_until(lambda: len(engine.sessions) == 0, 5)
         finally:
             await coordinator.stop()
             await workers.close()

@@ -5,15 +5,15 @@ import asyncio
 import grpc
 import pytest
 
-from common.server import ServerOptions
+from common.config import ServerOptions
 from coordinator.client import build_request
 from coordinator.config import CoordinatorConfig
-from coordinator.server import build_engine, start_coordinator_server
+from coordinator.server import build_engine, launch
 from coordinator.worker_clients import GrpcWorkers
 from specdec.v1 import generation_pb2_grpc, target_pb2, target_pb2_grpc, worker_pb2
 from target_worker.engine import TargetEngine
 from target_worker.server import start_target_server
-from tests.conftest import draft_engine_for, running_services, wait_for
+from tests.conftest import draft_engine_for, running_services, wait_until
 
 LONG = build_request("hold the line", max_new_tokens=3000, temperature=0, ignore_eos=True)
 
@@ -28,7 +28,7 @@ def test_a_full_worker_answers_resource_exhausted(target_model, draft_models):
             assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "maximum of 1 sessions" in error.value.details()
             first.cancel()
-            assert await wait_for(lambda: len(services.target.sessions) == 0 and len(services.draft.sessions) == 0)
+            await wait_until(lambda: len(services.target.sessions) == 0 and len(services.draft.sessions) == 0)
 
     asyncio.run(run())
 
@@ -38,9 +38,9 @@ def test_the_coordinator_caps_concurrent_requests(target_model, draft_models):
         target_server, target_port = await start_target_server(TargetEngine(target_model))
         workers = GrpcWorkers(f"127.0.0.1:{target_port}", None)
         engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target_model.tokenizer)
-        server, port = await start_coordinator_server(engine, max_concurrent_requests=1)
+        coordinator = await launch(engine, ServerOptions(host="127.0.0.1"), max_concurrent_requests=1)
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
                 stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 first = stub.GenerateStream(LONG)
                 await first.read()
@@ -49,13 +49,13 @@ def test_the_coordinator_caps_concurrent_requests(target_model, draft_models):
                 assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "maximum of 1 concurrent requests" in error.value.details()
                 first.cancel()
-                await asyncio.sleep(0.2)
+                await wait_until(lambda: coordinator.admission.active == 0, message="the cancelled request's slot is freed")
                 assert (
                     await stub.Generate(build_request("third", max_new_tokens=2, ignore_eos=True))
                 ).usage.completion_tokens == 2
         finally:
             await workers.close()
-            await server.stop(0)
+            await coordinator.server.stop(0)
             await target_server.stop(0)
 
     asyncio.run(run())
@@ -74,7 +74,7 @@ def test_idle_sessions_are_reclaimed(target_model):
                 await call.write(target_pb2.VerifyRequest(start=start))
                 await call.read()
                 assert len(engine.sessions) == 1
-                assert await wait_for(lambda: len(engine.sessions) == 0, timeout=5)
+                await wait_until(lambda: len(engine.sessions) == 0, timeout=5)
                 assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert "idle" in await call.details()
         finally:

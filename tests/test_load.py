@@ -11,6 +11,9 @@ import pytest
 from coordinator.client import GenerationClient, build_request
 from coordinator.cluster import Cluster, free_port
 from specdec.v1 import draft_pb2_grpc, generation_pb2_grpc, target_pb2_grpc, worker_pb2
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.slow
 
 TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
 DRAFT = f"{TARGET},noise=0.3"
@@ -95,7 +98,7 @@ def test_concurrent_load_with_cancellations_loses_nothing_and_leaks_nothing(clus
                     continue
                 assert token_ids == reference[spec_key(request_spec(index))], f"request {index} differs from its solo run"
                 served += 1
-            assert active_sessions(cluster) == (0, 0) or wait_until_idle(cluster)
+            wait_until(lambda: active_sessions(cluster) == (0, 0), interval=0.05, message=f"sessions left after wave {wave}")
             memory.append({role: rss_kib(p.pid) for role, p in cluster.by_role.items()})
 
     print(
@@ -107,14 +110,3 @@ def test_concurrent_load_with_cancellations_loses_nothing_and_leaks_nothing(clus
         # The first wave warms allocator pools and caches; after it, memory must stay flat.
         growth = memory[-1][role] - memory[1][role]
         assert growth < max(0.1 * memory[1][role], 32 * 1024), f"{role} grew by {growth} KiB across waves"
-
-
-def wait_until_idle(cluster, timeout: float = 5.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if active_sessions(cluster) == (0, 0):
-            return True
-        time.sleep(0.05)
-    return False

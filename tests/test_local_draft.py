@@ -21,7 +21,7 @@ from draft_worker.server import model_free_proposer
 from specdec.v1 import generation_pb2_grpc, worker_pb2
 from target_worker.engine import TargetEngine
 from target_worker.server import start_target_server
-from tests.conftest import wait_for
+from tests.conftest import wait_until
 
 
 @contextlib.asynccontextmanager
@@ -59,7 +59,7 @@ def test_a_local_draft_speculates_with_target_only_output(target_model, spec):
                 }
                 # The draft's time is its proposing alone: no exchange with a worker.
                 assert response.time_split.draft_us < response.time_split.verify_us
-            assert await wait_for(lambda: len(draft.sessions) == 0)
+            await wait_until(lambda: len(draft.sessions) == 0)
 
     asyncio.run(run())
 
@@ -76,7 +76,7 @@ def test_a_cancelled_opening_of_a_long_prompt_still_frees_its_session():
         opening.cancel()
         with pytest.raises(asyncio.CancelledError):
             await opening
-        assert await wait_for(lambda: draft.sessions.reserved_kv_tokens == 0 and len(draft.sessions) == 0)
+        await wait_until(lambda: draft.sessions.reserved_kv_tokens == 0 and len(draft.sessions) == 0)
         session = await open_local_draft(draft, prompt, SamplingParams(temperature=0), 0, None, 0)
         assert len(draft.sessions) == 1 and session.prefill_us > 0
         await session.close()
@@ -93,6 +93,7 @@ def test_a_local_draft_is_model_free_and_excludes_draft_workers():
         CoordinatorServerConfig(target=["t:1"], draft=["d:1"], local_draft="ngram")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -54,8 +54,8 @@ def test_a_rollback_is_a_crop_that_scores_as_a_fresh_prefill(loaded):
     runner, prompt = loaded.runner, PROMPTS[1]
     cache = prefilled(runner, prompt)
     runner.forward([cache], [[40, 41, 42, 43]], [4])
-    assert runner.rollback(cache, len(prompt) + 1) == 3 and cache.get_seq_length() == len(prompt) + 1
-    assert runner.rollback(cache, len(prompt) + 5) == 0  # nothing past the end to remove
+    assert runner.crop_to(cache, len(prompt) + 1) == 3 and cache.get_seq_length() == len(prompt) + 1
+    assert runner.crop_to(cache, len(prompt) + 5) == 0  # nothing past the end to remove
     if not runner.batch_invariant:
         return  # #int8's keys depend on the rows they were computed with: only a draft runs it (see the module)
     fresh = prefilled(runner, [*prompt, 40])

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from common.errors import InvalidArgument
-from common.models import load_model, parse_spec_params, TINY_RANDOM_DEFAULTS
+from common.model_specs import TINY_RANDOM_DEFAULTS, parse_spec_params
+from common.models import load_model
 from draft_worker.ngram import NgramIndex, find_continuation, parse_ngram
 
 SPEC = "tiny-random:seed=7,vocab=64,layers=1,hidden=32,noise=0.3"
@@ -83,7 +84,7 @@ def test_prompt_lookup_index_finds_what_the_scan_finds_as_the_sequence_grows_and
 def test_random_shapes_have_the_real_models_parameter_counts(shape, billions):
     from transformers import AutoModelForCausalLM
 
-    from common.models import random_shape_config
+    from common.random_models import random_shape_config
 
     config, seed = random_shape_config(f"random-shape:{shape},seed=3")
     assert seed == 3

@@ -3,16 +3,16 @@ processes on loopback, tiny random models), and its error cases against an in-pr
 
 import asyncio
 import threading
-import time
 
 import grpc
 import openai
 import pytest
 
-from common.models import TINY_RANDOM_CONTEXT
+from common.model_specs import TINY_RANDOM_CONTEXT
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, free_port
 from specdec.v1 import worker_pb2, worker_pb2_grpc  # noqa: F401 - GetInfo of the workers below
+from tests.conftest import wait_until
 
 TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
 DRAFT = f"{TARGET},noise=0.1"
@@ -206,17 +206,8 @@ def test_an_unknown_model_gets_404(client):
     assert error.value.status_code == 404 and error.value.body["code"] == "model_not_found"
 
 
-def wait_until_no_sessions(cluster, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while open_sessions(cluster) != (0, 0):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_a_client_that_disconnects_mid_stream_frees_both_sessions(client, cluster):
-    assert wait_until_no_sessions(cluster, 5)
+    wait_until(lambda: open_sessions(cluster) == (0, 0), 5, interval=0.05, message="sessions of earlier tests are open")
     # 4,096 tokens take the tiny models several seconds: only the disconnect can free the sessions within one.
     stream = client.completions.create(
         model=TARGET, prompt="a long answer", max_tokens=4000, temperature=0, stream=True, extra_body={"ignore_eos": True}
@@ -226,7 +217,8 @@ def test_a_client_that_disconnects_mid_stream_frees_both_sessions(client, cluste
             break
     assert open_sessions(cluster) == (1, 1), "the request holds a session on each worker while it streams"
     stream.close()
-    assert wait_until_no_sessions(cluster, 1.0), "the sessions of the abandoned stream were not freed"
+    freed = "the sessions of the abandoned stream were not freed"
+    wait_until(lambda: open_sessions(cluster) == (0, 0), 1.0, interval=0.05, message=freed)
 
 
 def test_sixteen_concurrent_streaming_clients_all_complete_with_their_solo_output(client, cluster):

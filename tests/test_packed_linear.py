@@ -6,7 +6,8 @@ import torch
 
 from common.batched_forward import forward_sessions, session_cache
 from common.errors import InvalidArgument
-from common.models import RestrictedHead, load_model
+from common.model_variants import RestrictedHead
+from common.models import load_model
 from common.packed_linear import PackedLinear, pack_linear_layers, padded_rows
 from common.sampling import SamplingParams, logits_to_probs, truncate_probs
 
@@ -62,7 +63,7 @@ def test_packing_replaces_every_float32_linear_layer():
     assert len({layer.min_rows for layer in packed}) == 1
 
 
-@pytest.mark.parametrize("spec", [TINY, "smollm2-135m"])
+@pytest.mark.parametrize("spec", [TINY, pytest.param("smollm2-135m", marks=pytest.mark.slow)])
 def test_packed_model_logits_match_the_plain_model(spec):
     plain, packed = load_model(spec, linear="eager"), load_model(spec, linear="packed")
     assert any(isinstance(m, PackedLinear) for m in packed.model.modules())

@@ -14,7 +14,7 @@ import pytest
 from common.config import ServerOptions
 from common.models import load_model
 from common.sampling import SamplingParams
-from common.server import set_serving, start_serving
+from common.grpc_server import set_serving, start_serving
 from coordinator import pool as pool_module
 from coordinator.config import CoordinatorConfig, PoolSettings
 from coordinator.pool import Health
@@ -25,6 +25,7 @@ from specdec.v1 import generation_pb2, generation_pb2_grpc
 from target_worker.engine import TargetEngine
 from target_worker.server import SERVICE as TARGET_SERVICE
 from target_worker.server import TargetServicer
+from tests.conftest import wait_until
 
 FAST = PoolSettings(poll_interval=0.05, resolve_interval=0.05, retry_initial=0.2)
 GREEDY = SamplingParams(temperature=0)
@@ -91,8 +92,7 @@ def test_a_draining_worker_gets_no_new_sessions_while_its_open_ones_finish(targe
                 sessions = await open_sessions(workers, 4)
                 draining = sessions[0].member
                 await set_serving(healths[addresses.index(draining.address)], [TARGET_SERVICE.full_name], False)
-                await asyncio.sleep(0.3)
-                assert draining.health is Health.NOT_SERVING
+                await wait_until(lambda: draining.health is Health.NOT_SERVING, message="the poll did not see it drain")
                 before = draining.placed
                 await open_sessions(workers, 6)
                 assert draining.placed == before, "a NOT_SERVING worker got a new session"
@@ -100,7 +100,7 @@ def test_a_draining_worker_gets_no_new_sessions_while_its_open_ones_finish(targe
                     verdict = await session.verify([], [])
                     assert verdict.num_accepted == 0
                 await set_serving(healths[addresses.index(draining.address)], [TARGET_SERVICE.full_name], True)
-                await asyncio.sleep(0.3)
+                await wait_until(lambda: draining.health is Health.SERVING, message="the poll did not see it serve again")
                 await open_sessions(workers, 2)
                 assert draining.placed > before, "a worker serving again gets sessions again"
             finally:
@@ -119,9 +119,9 @@ def test_a_worker_with_another_tokenizer_is_refused_and_the_rest_keep_serving(ta
             try:
                 # The mismatching worker joins the pool later (a new replica of the deployment).
                 workers.target_pool.add(bad)
-                await asyncio.sleep(0.3)
                 member = workers.target_pool.members[bad]
-                assert member.health is Health.REFUSED and "different tokenizers" in member.detail
+                await wait_until(lambda: member.health is Health.REFUSED, message="the poll did not refuse it")
+                assert "different tokenizers" in member.detail
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                     stub = generation_pb2_grpc.GenerationServiceStub(channel)
                     for i in range(6):
@@ -161,8 +161,7 @@ def test_a_dns_target_is_re_resolved_and_the_pool_follows_it(target_model, monke
                 assert list(workers.target_pool.members) == addresses[:1]
                 kept = await workers.open_target([1], GREEDY, 0)
                 answers.append(addresses[1:])  # a rolling update: the first pod is replaced by the second
-                await asyncio.sleep(0.3)
-                assert list(workers.target_pool.members) == addresses[1:]
+                await wait_until(lambda: list(workers.target_pool.members) == addresses[1:], message="not re-resolved")
                 session = await workers.open_target([1], GREEDY, 0)
                 assert session.member.address == addresses[1]
                 assert (await kept.verify([], [])).num_accepted == 0, "a session on a departed member finishes there"
@@ -301,14 +300,26 @@ def test_a_lone_target_that_restarts_and_loads_again_is_used_as_soon_as_it_serve
             reference = (await engine.generate_all(params)).token_ids
             events = engine.generate(params)
             await anext(events)
+            attempts, open_target = [], workers.open_target
+
+            async def counted_open_target(*args, **kwargs):
+                attempts.append(time.monotonic())
+                return await open_target(*args, **kwargs)
+
+            workers.open_target = counted_open_target
             await server.stop(0)
             loading = TargetServicer(None)  # listening, model not loaded: NOT_SERVING, sessions refused
             restarted, health, _ = await start_serving(TARGET_SERVICE, loading, ServerOptions(host="127.0.0.1", port=port))
             await set_serving(health, [TARGET_SERVICE.full_name], False)
             rest = asyncio.ensure_future(anext_all(events))
-            await asyncio.sleep(2.0)
-            assert not rest.done()
             member = workers.target_pool.members[address]
+            # The request tries to reopen its session again and again (backing off) while the worker loads.
+            await wait_until(
+                lambda: len(attempts) >= 4 and member.health is Health.NOT_SERVING,
+                timeout=10,
+                message="the request did not keep retrying, or the poll did not find the loading worker NOT_SERVING",
+            )
+            assert not rest.done()
             assert member.health is Health.NOT_SERVING, "a loading worker is not serving, not unreachable"
             loading.engine = TargetEngine(target_model)
             await set_serving(health, [TARGET_SERVICE.full_name], True)

@@ -3,12 +3,14 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, free_port, is_serving
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.slow  # SmolLM2 in separate processes
 
 GROUNDED = (
     "Repeat this sentence exactly, then stop: The Rhine begins in the Swiss Alps, flows through six countries "
@@ -71,10 +73,12 @@ def test_coordinator_refuses_a_pair_whose_tokenizers_differ():
         ),
     ]
     try:
-        deadline = time.monotonic() + 120
-        while not (is_serving(f"localhost:{target_port}") and is_serving(f"localhost:{draft_port}")):
-            assert time.monotonic() < deadline, "workers did not start"
-            time.sleep(0.2)
+        wait_until(
+            lambda: is_serving(f"localhost:{target_port}") and is_serving(f"localhost:{draft_port}"),
+            timeout=120,
+            interval=0.2,
+            message="workers did not start",
+        )
         coordinator = subprocess.run(
             [
                 *serve,

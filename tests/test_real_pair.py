@@ -13,6 +13,8 @@ from draft_worker.model_proposer import ModelProposer
 from target_worker.engine import TargetEngine
 from tests.conftest import running_services
 
+pytestmark = pytest.mark.slow  # loads the 1.5B pair (minutes)
+
 TARGET = "qwen2.5-coder-1.5b"
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",

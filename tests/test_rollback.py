@@ -99,7 +99,7 @@ def test_rollback_is_a_crop_not_a_re_forward(target_model):
     sequence.prefill()
     sequence.forward(sequence.pending() + [1, 2, 3, 4], 5)
     with counting_forwards(target_model.model) as forwards:
-        assert sequence.rollback(len(PROMPT) + 1) == 3
+        assert sequence.crop_to(len(PROMPT) + 1) == 3
     assert forwards == [] and sequence.cache.get_seq_length() == len(PROMPT) + 1
 
 

@@ -89,6 +89,7 @@ def test_rejection_rule_reproduces_p_exactly_by_enumeration():
         assert exact_first_token_distribution(p, q).tolist() == pytest.approx(p.tolist(), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_speculative_step_matches_p_statistically():
     """gamma = 2 with a real (not one-hot) q: the first two committed tokens follow p1 x p2 (chi-square)."""
     vocab = 4

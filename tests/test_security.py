@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from common.server import ServerOptions
+from common.config import ServerOptions
 from common.tls import TlsFiles
 from coordinator.client import GenerationClient, build_request
 from coordinator.config import CoordinatorConfig

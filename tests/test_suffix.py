@@ -97,6 +97,7 @@ def test_a_speculation_follows_the_most_frequent_continuation_for_as_long_as_the
     assert tree.speculate([42], 8, 8, 1.0, 0.1).token_ids == []  # no match
 
 
+@pytest.mark.slow
 def test_the_global_tree_stays_within_its_token_budget_over_a_long_run():
     """Bounded memory: 400 requests' outputs through a budget of 2,000 tokens; the nodes, the tokens held and the
     bytes allocated stay bounded, the latest outputs are kept and the oldest evicted."""
@@ -225,6 +226,7 @@ def test_greedy_suffix_speculation_equals_target_only_and_drafts(target_model, d
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_suffix_speculation_with_a_learning_global_tree_samples_the_exact_target_distribution():
     """Each request's proposals come from the outputs of the requests before it: the draft changes as the run goes
     on, and its tokens are often rejected, yet the samples follow the target's distribution."""
@@ -241,6 +243,7 @@ def test_suffix_speculation_with_a_learning_global_tree_samples_the_exact_target
     assert chi_square_p_value(samples, exact) > 1e-3
 
 
+@pytest.mark.slow
 def test_hybrid_speculation_mixing_its_sources_samples_the_exact_target_distribution():
     """Per round the hybrid proposes from the suffix trees (q = 1) or from the model (its sampled q): each round's
     acceptance test uses the q of the source that proposed, so the mix stays exact."""

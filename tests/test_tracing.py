@@ -3,7 +3,6 @@
 
 import concurrent.futures
 import threading
-import time
 import urllib.request
 from collections import defaultdict
 
@@ -14,6 +13,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, free_port
+from tests.conftest import wait_until
 
 TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
 DRAFT = f"{TARGET},noise=0.5"
@@ -125,13 +125,12 @@ def traced_cluster(receiver, tmp_path_factory):
 def wait_for_trace(receiver, trace_id: str, verifies: int, proposals: int, timeout: float = 20) -> list:
     """The trace's spans once the workers' spans of every round have arrived: a verification per round, a proposal
     per round that drafted (the workers export in batches of their own)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        spans = receiver.trace(trace_id)
-        names = [span.name for _, span in spans]
-        if names.count("target.verify") >= verifies and names.count("draft.propose") >= proposals:
-            return spans
-        time.sleep(0.1)
+
+    def arrived():
+        names = [span.name for _, span in receiver.trace(trace_id)]
+        return names.count("target.verify") >= verifies and names.count("draft.propose") >= proposals
+
+    wait_until(arrived, timeout, interval=0.1, message=f"the spans of trace {trace_id}'s {verifies} rounds")
     return receiver.trace(trace_id)
 
 
@@ -235,9 +234,7 @@ def test_metrics_are_exported_over_otlp_and_scrapeable(traced_cluster, receiver)
         "specdec.worker.kv_rollback.duration",
         "specdec.worker.sessions",
     }
-    deadline = time.monotonic() + 15
-    while not expected <= receiver.metric_names and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: expected <= receiver.metric_names, 15, interval=0.2, message="the metrics were not all exported")
     assert expected <= receiver.metric_names, expected - receiver.metric_names
     scraped = urllib.request.urlopen(f"http://127.0.0.1:{traced_cluster.metrics_port}/metrics", timeout=5).read().decode()
     assert "gen_ai_server_request_duration_seconds_bucket" in scraped
@@ -272,10 +269,12 @@ def test_an_http_request_continues_the_callers_trace_with_the_genai_span_below_a
     rounds = response.json()["speculation"]["rounds"]
     wait_for_trace(receiver, trace_id, rounds, 1)
     # The HTTP span ends after the last byte and goes out in a later batch than the workers' spans.
-    deadline = time.monotonic() + 20
-    while not any(span.parent_span_id.hex() == parent for _, span in receiver.trace(trace_id)):
-        assert time.monotonic() < deadline, "the HTTP server span was not exported"
-        time.sleep(0.1)
+    wait_until(
+        lambda: any(span.parent_span_id.hex() == parent for _, span in receiver.trace(trace_id)),
+        20,
+        interval=0.1,
+        message="the HTTP server span was not exported",
+    )
     spans = receiver.trace(trace_id)
     by_id = {span.span_id: span for _, span in spans}
     (http,) = [span for _, span in spans if span.parent_span_id.hex() == parent]
@@ -300,6 +299,7 @@ def test_explain_lists_every_round(traced_cluster):
     assert "verify ms" in table and "network" in table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [{"OTEL_SDK_DISABLED": "true"}, {}], ids=["sdk-disabled", "no-endpoint"])
 def test_services_run_without_an_exporter_and_without_errors(env, tmp_path):
     with Cluster(TARGET, DRAFT, free_port(), env=env, log_dir=tmp_path) as cluster, GenerationClient(cluster.address) as client:
