@@ -6,18 +6,13 @@ one target step (T_draft / T_target). Short functions on floats, each computing 
 
 import statistics
 
-
-def expected_tokens_per_round(alpha: float, gamma: int) -> float:
-    """E[tokens per round] = (1 - alpha^(gamma+1)) / (1 - alpha): accepted tokens plus the target's own token."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+from common.acceptance import expected_tokens
 
 
 def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
     """Leviathan et al., Theorem 3.8: the walltime improvement, assuming verifying gamma+1 tokens costs one
     target step and that syncing and the network cost nothing."""
-    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1)
+    return expected_tokens(alpha, gamma) / (gamma * c + 1)
 
 
 def corrected_speedup(
@@ -33,12 +28,12 @@ def corrected_speedup(
     step), t_overhead the measured sync, network and coordinator time per round, and t_baseline_overhead the same
     overhead per token of the target-only baseline it is compared with."""
     baseline = t_target + t_baseline_overhead
-    return expected_tokens_per_round(alpha, gamma) * baseline / (gamma * t_draft + t_verify + t_overhead)
+    return expected_tokens(alpha, gamma) * baseline / (gamma * t_draft + t_verify + t_overhead)
 
 
 def break_even_cost_ratio(alpha: float, gamma: int) -> float:
     """The largest c = T_draft / T_target at which speculation still breaks even (predicted speedup 1)."""
-    return (expected_tokens_per_round(alpha, gamma) - 1) / gamma
+    return (expected_tokens(alpha, gamma) - 1) / gamma
 
 
 def alpha_from_tokens_per_round(tokens_per_round: float, gamma: int, tolerance: float = 1e-9) -> float:
@@ -47,7 +42,7 @@ def alpha_from_tokens_per_round(tokens_per_round: float, gamma: int, tolerance: 
     target = min(max(tokens_per_round, 1.0), gamma + 1.0)
     while high - low > tolerance:
         mid = (low + high) / 2
-        if expected_tokens_per_round(mid, gamma) < target:
+        if expected_tokens(mid, gamma) < target:
             low = mid
         else:
             high = mid

@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-from bench import analytic  # noqa: E402
+from common.acceptance import expected_tokens  # noqa: E402
 
 PLOTS = ["speedup_vs_gamma.png", "acceptance_by_position.png", "time_split.png", "tokens_per_second.png"]
 
@@ -173,7 +173,7 @@ def write_report(results: dict, out: Path) -> None:
         "## Break-even cost ratio c = T_draft / T_target (analytic)",
         table(["alpha \\ gamma", *range(1, 9)], [[a, *row.values()] for a, row in analysis["break_even_cost_ratio"].items()]),
         "Expected tokens per round at alpha 0.7: "
-        + ", ".join(f"gamma {g}: {analytic.expected_tokens_per_round(0.7, g):.2f}" for g in (1, 2, 4, 8))
+        + ", ".join(f"gamma {g}: {expected_tokens(0.7, g):.2f}" for g in (1, 2, 4, 8))
         + ".",
     ]
     (out / "report.md").write_text("\n\n".join(sections) + "\n")

@@ -22,6 +22,7 @@ to the prior while unused, which makes the session try again now and then.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.acceptance import DecayedRate, expected_tokens
 from common.cost_curve import cheapest_rows, cost_at
 
 PRIOR_ACCEPTANCE = 0.5
@@ -33,36 +34,23 @@ BATCH_MARGIN = 1.05  # in a shared batch, drafting must be predicted 5 % faster 
 DEPLOYMENT_DECAY = 0.995  # per drafting round of any request: the deployment's acceptance follows its traffic
 
 
-def expected_tokens(acceptance: float, gamma: int) -> float:
-    """Tokens a round commits in expectation: accepted drafts plus the target's own token."""
-    if acceptance >= 1.0:
-        return gamma + 1.0
-    return (1.0 - acceptance ** (gamma + 1)) / (1.0 - acceptance)
-
-
 @dataclass
-class AcceptanceEstimate:
+class AcceptanceEstimate(DecayedRate):
     """The probability that the target accepts a drafted token, from this session's recent rounds, starting from
     a prior (the deployment's recent acceptance, see MeasuredSpeed)."""
 
-    accepted: float = 0.0
-    trials: float = 0.0
     prior: float = PRIOR_ACCEPTANCE
     decay: float = EVIDENCE_DECAY  # per drafting round
+    prior_weight: float = PRIOR_WEIGHT
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int) -> None:
         """A round that drafted `drafted` tokens and had `accepted` accepted: each accepted token is a success, the
-        first rejection (if any) a failure; the tokens after it were never tested."""
-        decay = self.decay if drafted else IDLE_DECAY
-        self.accepted *= decay
-        self.trials *= decay
+        first rejection (if any) a failure; the tokens after it were never tested. A round without drafting only
+        lets the estimate drift back towards the prior."""
         if drafted:
-            self.accepted += accepted
-            self.trials += accepted + (accepted < drafted)
-
-    @property
-    def rate(self) -> float:
-        return (self.accepted + self.prior * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+            self.update(accepted, accepted + (accepted < drafted))
+        else:
+            self.update(0, 0, IDLE_DECAY)
 
 
 @dataclass
@@ -110,7 +98,7 @@ class MeasuredSpeed:
         least at the neutral prior: a few rounds then show which kind of request it is (measured on the 1.5B pair's
         128-token suite: after a run of code prompts the deployment's rate had fallen so far that the input-grounded
         prompts of the second repeat drafted 2-4 tokens each instead of 79, and ran 0.9x target-only)."""
-        return self.acceptance.rate if not model_free else max(self.acceptance.rate, PRIOR_ACCEPTANCE)
+        return self.acceptance.value if not model_free else max(self.acceptance.value, PRIOR_ACCEPTANCE)
 
     def forget_draft(self) -> None:
         """A new draft worker: what was learned with the previous one (its speed against its curve, how often its
@@ -178,7 +166,7 @@ class CostModelPolicy:
         # A round that drafts pays the draft's compute and its exchange; one that does not skips the draft worker.
         draft = 0.0 if draft_hidden or not gamma else self.draft_ms(gamma) + (self.draft_exchange.value or 0.0)
         seconds = (draft + self.verify_ms(gamma + 1) + (self.overhead_ms or 0.0)) / 1e3
-        return expected_tokens(self.acceptance.rate, gamma) / seconds if seconds > 0 else float(gamma + 1)
+        return expected_tokens(self.acceptance.value, gamma) / seconds if seconds > 0 else float(gamma + 1)
 
     def choose(self, limit: int, hidden_behind: int = 0) -> int:
         """The best gamma in [0, min(limit, max_gamma)]; ties go to the smaller one.
@@ -206,9 +194,9 @@ class CostModelPolicy:
         self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int
     ) -> None:
         """Learns from a finished round: acceptance, the target's speed, and the load of its batch."""
-        self.acceptance.update(drafted, accepted)
+        self.acceptance.observe(drafted, accepted)
         if drafted and self.shared_acceptance is not None:
-            self.shared_acceptance.update(drafted, accepted)
+            self.shared_acceptance.observe(drafted, accepted)
         self.other_sessions = max(0, batch_size - 1)
         rows = self.target_rows(max(batch_tokens, verified_tokens))
         predicted = self.target_ms(rows)

@@ -11,6 +11,7 @@ target committed. The q of each token is the one of the source that proposed it,
 from collections import Counter
 from dataclasses import dataclass, field
 
+from common.acceptance import DecayedRate, expected_tokens
 from common.rounds import DraftSource, Proposal
 from common.sampling import SamplingParams
 from draft_worker.model_proposer import ModelDraftSession, ModelProposer
@@ -22,38 +23,16 @@ MODEL_PRIOR = 0.6  # a draft model's acceptance before any verdict (the pair's m
 
 
 @dataclass
-class RunningRate:
-    """successes / trials over the recent rounds, starting from a prior worth one trial."""
-
-    prior: float
-    successes: float = 0.0
-    trials: float = 0.0
-
-    def update(self, successes: float, trials: float) -> None:
-        self.successes = RATE_DECAY * self.successes + successes
-        self.trials = RATE_DECAY * self.trials + trials
-
-    @property
-    def value(self) -> float:
-        return (self.successes + self.prior) / (self.trials + 1.0)
-
-
-@dataclass
 class HybridDraftSession:
     model: ModelDraftSession
     suffix: SuffixDraftSession
-    model_rate: RunningRate = field(default_factory=lambda: RunningRate(MODEL_PRIOR))  # accepted per drafted token
-    suffix_precision: RunningRate = field(default_factory=lambda: RunningRate(1.0))  # accepted per unit of score
+    model_rate: DecayedRate = field(default_factory=lambda: DecayedRate(MODEL_PRIOR, RATE_DECAY))  # accepted per drafted token
+    suffix_precision: DecayedRate = field(default_factory=lambda: DecayedRate(1.0, RATE_DECAY))  # accepted per unit of score
     last: tuple[str, int, float] | None = None  # the last proposal's source, its length and score
     cached = property(lambda self: self.model.cached)
     chain = property(lambda self: self.model.chain)
     num_committed = property(lambda self: self.model.num_committed)
     max_tokens = property(lambda self: self.model.max_tokens)
-
-
-def model_expected_accepted(rate: float, num_tokens: int) -> float:
-    """Accepted tokens of num_tokens drafted, each accepted with probability rate after the one before it."""
-    return sum(rate**i for i in range(1, num_tokens + 1))
 
 
 class HybridProposer(Proposer):
@@ -97,7 +76,7 @@ class HybridProposer(Proposer):
             found, source = self.suffix.speculate(state.suffix, num_tokens + assume_accepted)
             drafted = len(found.token_ids) - assume_accepted
             expected = found.score * state.suffix_precision.value
-            if found.token_ids and expected >= model_expected_accepted(state.model_rate.value, num_tokens):
+            if found.token_ids and expected >= expected_tokens(state.model_rate.value, num_tokens) - 1:
                 state.suffix.chain += found.token_ids
                 state.model.chain += found.token_ids  # cached by the model's next pass
                 state.last = ("suffix", drafted, found.score)

@@ -4,29 +4,30 @@ import math
 
 import pytest
 
+from common.acceptance import expected_tokens
+
 from bench.analytic import (
     alpha_from_tokens_per_round,
     break_even_cost_ratio,
     corrected_speedup,
-    expected_tokens_per_round,
     predicted_speedup,
 )
 
 
-def test_expected_tokens_per_round_matches_hand_computation():
+def test_expected_tokens_matches_hand_computation():
     # alpha 0.5, gamma 2: 1 + 0.5 + 0.25 = 1.75
-    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     # alpha 0.8, gamma 4: (1 - 0.8^5) / 0.2 = (1 - 0.32768) / 0.2 = 3.3616
-    assert expected_tokens_per_round(0.8, 4) == pytest.approx(3.3616)
-    assert expected_tokens_per_round(0.0, 5) == 1.0
-    assert expected_tokens_per_round(1.0, 3) == 4.0
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
 
 
 def test_predicted_speedup_matches_leviathan_examples():
     # alpha 0.8, gamma 4, c 0.05: 3.3616 / 1.2 = 2.8013
     assert predicted_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
     # A free draft (c = 0) gives exactly the expected tokens per round.
-    assert predicted_speedup(0.6, 3, 0.0) == pytest.approx(expected_tokens_per_round(0.6, 3))
+    assert predicted_speedup(0.6, 3, 0.0) == pytest.approx(expected_tokens(0.6, 3))
 
 
 def test_corrected_model_charges_the_measured_verify_cost_and_overhead():
@@ -48,6 +49,6 @@ def test_break_even_cost_ratio_solves_speedup_equal_one():
 
 def test_alpha_is_recovered_from_tokens_per_round():
     for alpha, gamma in [(0.2, 2), (0.62, 4), (0.95, 8)]:
-        assert alpha_from_tokens_per_round(expected_tokens_per_round(alpha, gamma), gamma) == pytest.approx(alpha, abs=1e-6)
+        assert alpha_from_tokens_per_round(expected_tokens(alpha, gamma), gamma) == pytest.approx(alpha, abs=1e-6)
     assert alpha_from_tokens_per_round(1.0, 4) == pytest.approx(0.0, abs=1e-6)
     assert math.isclose(alpha_from_tokens_per_round(5.0, 4), 1.0, abs_tol=1e-6)

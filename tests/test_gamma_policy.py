@@ -10,7 +10,8 @@ from common.sampling import SamplingParams
 from coordinator.config import CoordinatorConfig
 from coordinator.round import DraftSync
 from coordinator.types import GenerationParams
-from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, MeasuredSpeed, expected_tokens
+from common.acceptance import expected_tokens
+from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, MeasuredSpeed
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
 from target_worker.engine import TargetEngine
@@ -22,7 +23,7 @@ SMOLLM2_CPU = [(1, 39), (2, 59), (3, 73), (4, 55), (5, 50), (6, 53), (7, 64), (8
 
 def policy_with(acceptance: float, draft_costs=(), overhead_ms: float = 3.5, **kwargs) -> CostModelPolicy:
     policy = CostModelPolicy(SMOLLM2_CPU, list(draft_costs), max_gamma=8, overhead_ms=overhead_ms, **kwargs)
-    policy.acceptance = AcceptanceEstimate(accepted=1000 * acceptance, trials=1000)
+    policy.acceptance = AcceptanceEstimate(successes=1000 * acceptance, trials=1000)
     return policy
 
 
@@ -105,14 +106,14 @@ def test_a_slower_target_than_calibrated_rescales_the_curve():
 def test_acceptance_estimate_follows_recent_rounds_and_returns_to_the_prior_when_unused():
     estimate = AcceptanceEstimate()
     for _ in range(20):
-        estimate.update(drafted=4, accepted=0)
-    assert estimate.rate < 0.1
+        estimate.observe(drafted=4, accepted=0)
+    assert estimate.value < 0.1
     for _ in range(20):
-        estimate.update(drafted=0, accepted=0)
-    assert estimate.rate < 0.15, "a few rounds without drafting must not make a bad draft look good again"
+        estimate.observe(drafted=0, accepted=0)
+    assert estimate.value < 0.15, "a few rounds without drafting must not make a bad draft look good again"
     for _ in range(200):
-        estimate.update(drafted=0, accepted=0)
-    assert estimate.rate > 0.45
+        estimate.observe(drafted=0, accepted=0)
+    assert estimate.value > 0.45
 
 
 def test_a_model_free_draft_is_tried_on_every_request_whatever_earlier_requests_accepted():
@@ -121,7 +122,7 @@ def test_a_model_free_draft_is_tried_on_every_request_whatever_earlier_requests_
     miss. A model draft's new request starts from the deployment's rate and does not draft."""
     speed = MeasuredSpeed()
     for _ in range(400):  # earlier requests' rounds: every proposal rejected
-        speed.acceptance.update(drafted=4, accepted=0)
+        speed.acceptance.observe(drafted=4, accepted=0)
     assert speed.prior(model_free=False) < 0.05
     model = policy_with(0.0, draft_costs=[(1, 2.0)])
     model.acceptance = AcceptanceEstimate(prior=speed.prior(model_free=False))
@@ -166,7 +167,7 @@ def test_a_verification_slower_than_calibrated_stops_paying_once_measured():
     for _ in range(10):
         policy.observe(drafted=4, accepted=1, verified_tokens=5, verify_us=80_000, batch_size=1, batch_tokens=5)
         policy.observe(drafted=0, accepted=0, verified_tokens=1, verify_us=39_000, batch_size=1, batch_tokens=1)
-    policy.acceptance = AcceptanceEstimate(accepted=250, trials=1000)
+    policy.acceptance = AcceptanceEstimate(successes=250, trials=1000)
     assert policy.choose(100) == 0
 
 

@@ -1,0 +1,33 @@
+"""What an acceptance rate promises and how it is estimated, for every choice made on it: the coordinator's gamma
+(coordinator.gamma_policy), the hybrid draft's source (draft_worker.hybrid) and the bench's analytic model."""
+
+from dataclasses import dataclass
+
+
+def expected_tokens(acceptance: float, gamma: int) -> float:
+    """Tokens a round commits in expectation, (1 - a^(gamma+1)) / (1 - a): the drafted tokens accepted, each after
+    the one before it with probability a, plus the target's own token (Leviathan et al. 2023)."""
+    if acceptance >= 1.0:
+        return gamma + 1.0
+    return (1.0 - acceptance ** (gamma + 1)) / (1.0 - acceptance)
+
+
+@dataclass
+class DecayedRate:
+    """successes / trials over recent evidence, older evidence weighing less by `decay` per update, starting from a
+    prior worth prior_weight trials: an estimate that follows the text it is measured on."""
+
+    prior: float
+    decay: float
+    prior_weight: float = 1.0
+    successes: float = 0.0
+    trials: float = 0.0
+
+    def update(self, successes: float, trials: float, decay: float | None = None) -> None:
+        decay = self.decay if decay is None else decay
+        self.successes = decay * self.successes + successes
+        self.trials = decay * self.trials + trials
+
+    @property
+    def value(self) -> float:
+        return (self.successes + self.prior * self.prior_weight) / (self.trials + self.prior_weight)
