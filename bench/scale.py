@@ -17,6 +17,7 @@ import signal
 import statistics
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,10 +34,12 @@ FAULT_PROMPTS = [f"Request {i}: a pool of workers must not change a single token
 
 @dataclass
 class LoadResult:
-    """What a load did: per request its prompt's index, output, start and end (monotonic seconds)."""
+    """What a load did: per request its prompt's index, output, why it stopped speculating ("" if it did not),
+    start and end (monotonic seconds)."""
 
     prompt_index: list[int] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
+    fallback_reasons: list[str] = field(default_factory=list)
     starts: list[float] = field(default_factory=list)
     ends: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -78,6 +81,7 @@ def run_load(addresses: list[str], prompts: list[str], requests: int, clients: i
                 with lock:
                     result.prompt_index.append(i % len(prompts))
                     result.token_ids.append(list(response.token_ids))
+                    result.fallback_reasons.append(response.speculation.fallback_reason)
                     result.starts.append(start)
                     result.ends.append(end)
                     due = [e for e in pending if e[0] <= len(result.ends) + len(result.errors)]
@@ -187,6 +191,8 @@ def fault_run(log_dir: Path, requests: int = 200, clients: int = 16, max_new_tok
     ]
     return {
         "requests": sum(len(load.ends) for load in loads),
+        # Per load (spread, fault, after the restart): how many requests stopped speculating, by the reason given.
+        "fallbacks": [dict(Counter(r for r in load.fallback_reasons if r)) for load in loads],
         "errors": [e for load in loads for e in load.errors],
         "mismatches": mismatches,
         "spread": spread,

@@ -16,6 +16,9 @@ def test_pools_spread_sessions_survive_a_killed_target_and_a_draining_draft_and_
     assert len(run["draft_spread_shares"]) == 2 and min(run["draft_spread_shares"].values()) > 0
     assert run["requests_in_flight_at_fault"] > 0 and run["reopened_sessions"] > 0, "the fault hit open sessions"
     assert run["placed_on_killed_after_restart"] > 0, "the restarted worker gets sessions again"
+    # No request stopped speculating: a killed target's sessions are reopened, a draining draft finishes its own
+    # and new ones go to the other draft worker.
+    assert run["fallbacks"] == [{}, {}, {}], run["fallbacks"]
 
 
 def table_rows(markdown: str, heading: str) -> list[list[str]]:
