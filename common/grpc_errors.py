@@ -1,5 +1,6 @@
-"""Errors as gRPC statuses: every servicer method is wrapped by reports_errors, which ends a failed call with the
-status common.errors.ERROR_STATUS gives its error, never a crash of the server."""
+"""Errors as gRPC statuses: every servicer method is wrapped by reports_errors (or hands its stream to one that is,
+as Draft and Verify do to session_stream), which ends a failed call with the status common.errors.ERROR_STATUS
+gives its error, never a crash of the server."""
 
 import contextlib
 import functools

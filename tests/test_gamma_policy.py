@@ -27,7 +27,7 @@ def policy_with(acceptance: float, draft_costs=(), overhead_ms: float = 3.5, **k
     return policy
 
 
-def test_expected_tokens_per_round():
+def test_expected_tokens_count_the_accepted_drafts_and_the_targets_own_token():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)

@@ -313,9 +313,10 @@ def test_a_lone_target_that_restarts_and_loads_again_is_used_as_soon_as_it_serve
             await set_serving(health, [TARGET_SERVICE.full_name], False)
             rest = asyncio.ensure_future(anext_all(events))
             member = workers.target_pool.members[address]
-            # The request tries to reopen its session again and again (backing off) while the worker loads.
+            # The request tries to reopen its session again and again (backing off) while the worker loads, and is
+            # still waiting 2 s after its first try.
             await wait_until(
-                lambda: len(attempts) >= 4 and member.health is Health.NOT_SERVING,
+                lambda: len(attempts) >= 4 and time.monotonic() - attempts[0] >= 2.0 and member.health is Health.NOT_SERVING,
                 timeout=10,
                 message="the request did not keep retrying, or the poll did not find the loading worker NOT_SERVING",
             )
