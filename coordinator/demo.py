@@ -48,13 +48,18 @@ def run_demo(max_new_tokens: int = 80, target_model: str = DEMO_TARGET) -> int:
             tokens = spec.usage.completion_tokens
             same = list(spec.token_ids) == list(plain.token_ids)
             stats = spec.speculation
-            rows.append((name, stats.acceptance_rate, tokens / spec_s, len(plain.token_ids) / plain_s, plain_s / spec_s, same))
+            drafted = stats.drafted_tokens
+            rows.append(
+                (name, drafted, stats.acceptance_rate, tokens / spec_s, len(plain.token_ids) / plain_s, plain_s / spec_s, same)
+            )
+            if not drafted:  # then both runs did the same work, and their ratio is only the machine's noise
+                print("--- nothing drafted: auto gamma found no proposal worth its verification on this answer")
             print(
-                f"--- acceptance {stats.acceptance_rate:.2f}, {stats.mean_tokens_per_round:.2f} tokens/round, "
+                f"--- drafted {drafted}, acceptance {stats.acceptance_rate:.2f}, {stats.mean_tokens_per_round:.2f} tokens/round, "
                 f"{tokens / spec_s:.1f} tok/s vs {len(plain.token_ids) / plain_s:.1f} tok/s target-only: "
                 f"speedup {plain_s / spec_s:.2f}x, output identical to target-only: {same}"
             )
-        print("\nprompt       acceptance  spec tok/s  target-only tok/s  speedup  identical")
-        for name, acceptance, spec_tps, plain_tps, speedup, same in rows:
-            print(f"{name:<12} {acceptance:>10.2f} {spec_tps:>11.1f} {plain_tps:>18.1f} {speedup:>7.2f}x  {same}")
+        print("\nprompt       drafted  acceptance  spec tok/s  target-only tok/s  speedup  identical")
+        for name, drafted, acceptance, spec_tps, plain_tps, speedup, same in rows:
+            print(f"{name:<12} {drafted:>7} {acceptance:>11.2f} {spec_tps:>11.1f} {plain_tps:>18.1f} {speedup:>7.2f}x  {same}")
     return 0 if all(row[-1] for row in rows) else 1
