@@ -68,15 +68,23 @@ def test_a_cancelled_opening_of_a_long_prompt_still_frees_its_session():
     """A long prompt is indexed on a thread, which a cancellation cannot stop: its session is closed once it
     exists."""
     draft = DraftEngine(model_free_proposer("suffix"), "suffix")
+    opened, open_session = [], draft.open_session
+
+    def counted_open_session(*args):
+        opened.append(open_session(*args))
+        return opened[-1]
+
+    draft.open_session = counted_open_session
 
     async def run():
         prompt = list(range(1, 50)) * (4 * INLINE_PROMPT_TOKENS // 49)
         opening = asyncio.ensure_future(open_local_draft(draft, prompt, SamplingParams(temperature=0), 0, None, 0))
-        await asyncio.sleep(0)  # the thread has started
+        await asyncio.sleep(0)  # one turn of the loop: the opening has handed the prompt to its thread
         opening.cancel()
         with pytest.raises(asyncio.CancelledError):
             await opening
-        await wait_until(lambda: draft.sessions.reserved_kv_tokens == 0 and len(draft.sessions) == 0)
+        # The thread did open the session the cancelled caller never got, and it was closed all the same.
+        await wait_until(lambda: opened and draft.sessions.reserved_kv_tokens == 0 and len(draft.sessions) == 0)
         session = await open_local_draft(draft, prompt, SamplingParams(temperature=0), 0, None, 0)
         assert len(draft.sessions) == 1 and session.prefill_us > 0
         await session.close()
