@@ -14,15 +14,6 @@ from bench.analytic import (
 )
 
 
-def test_expected_tokens_matches_hand_computation():
-    # alpha 0.5, gamma 2: 1 + 0.5 + 0.25 = 1.75
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-    # alpha 0.8, gamma 4: (1 - 0.8^5) / 0.2 = (1 - 0.32768) / 0.2 = 3.3616
-    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 3) == 4.0
-
-
 def test_predicted_speedup_matches_leviathan_examples():
     # alpha 0.8, gamma 4, c 0.05: 3.3616 / 1.2 = 2.8013
     assert predicted_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)

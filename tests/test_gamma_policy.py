@@ -10,7 +10,6 @@ from common.sampling import SamplingParams
 from coordinator.config import CoordinatorConfig
 from coordinator.round import DraftSync
 from coordinator.types import GenerationParams
-from common.acceptance import expected_tokens
 from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, MeasuredSpeed
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
@@ -25,12 +24,6 @@ def policy_with(acceptance: float, draft_costs=(), overhead_ms: float = 3.5, **k
     policy = CostModelPolicy(SMOLLM2_CPU, list(draft_costs), max_gamma=8, overhead_ms=overhead_ms, **kwargs)
     policy.acceptance = AcceptanceEstimate(successes=1000 * acceptance, trials=1000)
     return policy
-
-
-def test_expected_tokens_count_the_accepted_drafts_and_the_targets_own_token():
-    assert expected_tokens(0.0, 4) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
 def test_a_verification_is_padded_to_the_cheapest_row_count():
