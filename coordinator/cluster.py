@@ -23,6 +23,8 @@ from draft_worker.specs import is_model_free
 DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b": DEFAULT_DRAFT_MODEL}
 # The model draft of a target that has a sibling sharing its tokenizer (what the pair and llama-cpp benches compare).
 MODEL_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b#int8"}
+# Spins of an idle OpenMP thread before it sleeps, in workers that share the cores with another model worker.
+SHARED_CORES_SPIN_COUNT = 10_000
 # How a service is started: the `specdec` command line (cli/), run by this interpreter.
 SERVE_COMMAND = [sys.executable, "-m", "cli", "serve"]
 
@@ -30,13 +32,17 @@ SERVE_COMMAND = [sys.executable, "-m", "cli", "serve"]
 def local_env(draft_model: str) -> dict[str, str]:
     """The environment of services that share this machine's cores.
 
-    Two model workers: OpenMP threads that spin while waiting for work take cycles from the other worker, so they
-    sleep instead (measured on the Qwen pair, 2 cores: a target step of 251-268 ms passive, 288-316 spinning).
-    With a model-free draft (prompt lookup, suffix trees) only the target computes, and its threads' default (spin
-    a while, then sleep) keeps its many small operations fast (SmolLM2 verification, 2 cores: 43-63 ms by
-    default, 65-71 ms passive).
+    Two model workers: OpenMP threads that keep spinning after a parallel region take cycles from the other worker
+    (libgomp spins 300,000 times by default before it sleeps), so they spin only briefly: long enough to catch the
+    next region of the same pass (microseconds later), not through the other worker's turn. OMP_WAIT_POLICY=PASSIVE
+    (sleep at once), used before, makes every region wake its threads: measured on the gguf engine, 2 cores, a
+    1.5B step of 53-64 ms passive against 29-44 with GOMP_SPINCOUNT=10000 and 37-40 by default, and through the
+    Qwen pair's cluster target-only 15-17 tok/s passive, 17-21 with the bounded spin; spinning by default made the
+    rounds that used both workers erratic (10-20 tok/s).
+    With a model-free draft (prompt lookup, suffix trees) only the target computes, and its threads keep their
+    default.
     """
-    return {} if is_model_free(draft_model) else {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {} if is_model_free(draft_model) else {"GOMP_SPINCOUNT": str(SHARED_CORES_SPIN_COUNT)}
 
 
 def default_draft_for(target_model: str) -> str:

@@ -30,7 +30,7 @@ from common.timing import elapsed_us
 from common.tokenizer import Tokenizer
 from common.validation import check_prompt
 from coordinator.config import CoordinatorConfig
-from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, FixedPolicy, HeuristicPolicy, MeasuredSpeed
+from coordinator.gamma_policy import CostModelPolicy, FixedPolicy, HeuristicPolicy, MeasuredSpeed
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.output import Delta, OutputTracker
 from coordinator.round import (
@@ -237,7 +237,7 @@ def gamma_policy_for(engine: GenerationEngine, params: GenerationParams):
         engine.target.forward_costs,
         draft.forward_costs if draft else [],
         config.max_num_speculative_tokens,
-        acceptance=AcceptanceEstimate(prior=speed.prior(model_free=not (draft and draft.forward_costs))),
+        acceptance=speed.request_acceptance(model_free=not (draft and draft.forward_costs)),
         target_scale=speed.target_scale,
         row_scales=speed.row_scales,
         draft_scale=speed.draft_scale,

@@ -5,7 +5,8 @@ The cost model picks the gamma that maximises expected tokens per second of the 
     rate(g) = E[tokens | g] / (draft(g) + verify((sessions in the batch) * (g + 1)) + overhead)
     E[tokens | g] = (1 - a^(g+1)) / (1 - a)             (Leviathan et al. 2023, eq. 1)
 
-with a the running acceptance estimate (starting from the deployment's recent acceptance); draft(g) the draft's
+with a the running acceptance estimate (starting from the deployment's recent acceptance, see
+MeasuredSpeed.request_acceptance); draft(g) the draft's
 compute plus what asking it costs a round beyond that (its exchange), paid only when g > 0; verify(n) the
 target's measured cost curve; both curves rescaled by what the rounds of this coordinator's requests actually took
 (MeasuredSpeed, shared by its requests); overhead the round's target exchange and coordinator time. When the target
@@ -27,11 +28,22 @@ from common.cost_curve import cheapest_rows, cost_at
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
+# A model draft's acceptance until the deployment has measured it. Optimistic, so that the first requests draft:
+# a draft that agrees less shows it within a few rounds, where a pessimistic start never drafts and so never learns
+# (at 0.5 the cost model never asked the Qwen 0.5B to draft for the 1.5B, which agrees with 0.85-0.92 of its
+# greedy code tokens: the pair ran at target-only speed, docs/results.md).
+MODEL_DRAFT_PRIOR = 0.8
+# How many drafted tokens the deployment's rate weighs in a model draft's request: how well two models agree is a
+# property of the pair more than of the text, so one early rejection must not stop a request from drafting (at
+# weight 1 it did, and the request never drafted again: after one miss its estimate fell to 0.4).
+MODEL_PRIOR_WEIGHT = 8.0
 EVIDENCE_DECAY = 0.9  # per drafting round: older rounds weigh less, so the estimate follows the text
 IDLE_DECAY = 0.98  # per round without drafting: the estimate drifts back to the prior, so a session tries again
 SCALE_DECAY = 0.8
 BATCH_MARGIN = 1.05  # in a shared batch, drafting must be predicted 5 % faster than not drafting
-DEPLOYMENT_DECAY = 0.995  # per drafting round of any request: the deployment's acceptance follows its traffic
+# Per round of any request: the deployment's acceptance follows its traffic, and (rounds without drafting) drifts
+# back to its prior.
+DEPLOYMENT_DECAY = 0.995
 
 
 @dataclass
@@ -43,6 +55,8 @@ class AcceptanceEstimate(DecayedRate):
     decay: float = EVIDENCE_DECAY  # per drafting round
     prior_weight: float = PRIOR_WEIGHT
 
+    idle_decay: float = IDLE_DECAY  # per round without drafting
+
     def observe(self, drafted: int, accepted: int) -> None:
         """A round that drafted `drafted` tokens and had `accepted` accepted: each accepted token is a success, the
         first rejection (if any) a failure; the tokens after it were never tested. A round without drafting only
@@ -50,7 +64,7 @@ class AcceptanceEstimate(DecayedRate):
         if drafted:
             self.update(accepted, accepted + (accepted < drafted))
         else:
-            self.update(0, 0, IDLE_DECAY)
+            self.update(0, 0, self.idle_decay)
 
 
 @dataclass
@@ -74,6 +88,12 @@ class RunningMean:
         self.value = ms if self.value is None else SCALE_DECAY * self.value + (1 - SCALE_DECAY) * ms
 
 
+def deployment_acceptance() -> AcceptanceEstimate:
+    """The deployment's rate before any round: a model draft's prior (a model-free draft's requests start from at
+    least PRIOR_ACCEPTANCE whatever it says, see MeasuredSpeed.prior)."""
+    return AcceptanceEstimate(prior=MODEL_DRAFT_PRIOR, decay=DEPLOYMENT_DECAY, idle_decay=DEPLOYMENT_DECAY)
+
+
 @dataclass
 class MeasuredSpeed:
     """How fast the workers run as the rounds of every request measured it (measured over predicted), shared by
@@ -84,11 +104,19 @@ class MeasuredSpeed:
     target_scale: Scale = field(default_factory=Scale)
     row_scales: dict[int, Scale] = field(default_factory=dict)
     draft_scale: Scale = field(default_factory=Scale)
-    # The deployment's recent acceptance: the prior of a new request, which otherwise would start from 0.5 and
-    # spend its first rounds learning what every earlier request already showed.
-    acceptance: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(decay=DEPLOYMENT_DECAY))
+    # The deployment's recent acceptance: the prior of a new request, which otherwise would start from a guess and
+    # spend its first rounds learning what every earlier request already showed. Every request's rounds feed it,
+    # those that draft and those that do not (which let it drift back to its prior, so that a deployment whose
+    # rate once fell tries again).
+    acceptance: AcceptanceEstimate = field(default_factory=lambda: deployment_acceptance())
     # What asking the draft costs a round beyond its compute: the exchange's transport, handling and queueing.
     draft_exchange: RunningMean = field(default_factory=RunningMean)
+
+    def request_acceptance(self, model_free: bool) -> AcceptanceEstimate:
+        """A new request's estimate: from prior(model_free), which weighs as MODEL_PRIOR_WEIGHT drafted tokens for
+        a model draft (the pair's agreement) and PRIOR_WEIGHT for a model-free one (the request's own text)."""
+        weight = PRIOR_WEIGHT if model_free else MODEL_PRIOR_WEIGHT
+        return AcceptanceEstimate(prior=self.prior(model_free), prior_weight=weight)
 
     def prior(self, model_free: bool) -> float:
         """Where a new request's acceptance estimate starts. A model draft's acceptance is much the same from one
@@ -98,13 +126,15 @@ class MeasuredSpeed:
         least at the neutral prior: a few rounds then show which kind of request it is (measured on the 1.5B pair's
         128-token suite: after a run of code prompts the deployment's rate had fallen so far that the input-grounded
         prompts of the second repeat drafted 2-4 tokens each instead of 79, and ran 0.9x target-only)."""
-        return self.acceptance.value if not model_free else max(self.acceptance.value, PRIOR_ACCEPTANCE)
+        if not model_free:
+            return self.acceptance.value
+        return max(self.acceptance.value, PRIOR_ACCEPTANCE) if self.acceptance.trials else PRIOR_ACCEPTANCE
 
     def forget_draft(self) -> None:
         """A new draft worker: what was learned with the previous one (its speed against its curve, how often its
         tokens were accepted, what asking it cost) no longer holds."""
         self.draft_scale = Scale()
-        self.acceptance = AcceptanceEstimate(decay=DEPLOYMENT_DECAY)
+        self.acceptance = deployment_acceptance()
         self.draft_exchange = RunningMean()
 
 
@@ -195,7 +225,7 @@ class CostModelPolicy:
     ) -> None:
         """Learns from a finished round: acceptance, the target's speed, and the load of its batch."""
         self.acceptance.observe(drafted, accepted)
-        if drafted and self.shared_acceptance is not None:
+        if self.shared_acceptance is not None:
             self.shared_acceptance.observe(drafted, accepted)
         self.other_sessions = max(0, batch_size - 1)
         rows = self.target_rows(max(batch_tokens, verified_tokens))

@@ -128,6 +128,53 @@ def test_a_model_free_draft_is_tried_on_every_request_whatever_earlier_requests_
     assert free.choose(100) == 0
 
 
+# The Qwen pair on the gguf engine, 2 AVX2 cores (docs/results.md): the 1.5B target's ms per pass of 1..8 tokens
+# and the 0.5B draft's per token, a draft half as costly as a target step.
+QWEN_TARGET_AVX2 = [(1, 106.1), (2, 128.7), (3, 124.4), (4, 145.1), (5, 183.0), (8, 222.9)]
+QWEN_DRAFT_AVX2 = [(1, 51.5)]
+
+
+def qwen_request(speed: MeasuredSpeed) -> CostModelPolicy:
+    return CostModelPolicy(
+        QWEN_TARGET_AVX2, QWEN_DRAFT_AVX2, max_gamma=8, overhead_ms=3.0, acceptance=speed.request_acceptance(model_free=False)
+    )
+
+
+def test_a_model_draft_is_tried_before_anything_is_measured():
+    """At the neutral prior of 0.5 a draft at half a target step never pays, so the first request never drafted
+    and the deployment never learned that the pair agrees on most tokens: its first request must draft."""
+    assert qwen_request(MeasuredSpeed()).choose(100) > 0
+    pessimistic = qwen_request(MeasuredSpeed())
+    pessimistic.acceptance = AcceptanceEstimate(prior=0.5)
+    assert pessimistic.choose(100) == 0
+
+
+def test_one_early_rejection_does_not_stop_a_model_draft():
+    speed = MeasuredSpeed()
+    request = qwen_request(speed)
+    gamma = request.choose(100)
+    request.observe(drafted=gamma, accepted=0, verified_tokens=gamma + 1, verify_us=124_000, batch_size=1, batch_tokens=3)
+    assert request.choose(100) > 0
+    for _ in range(6):  # but a draft that keeps missing is stopped within a few rounds
+        gamma = request.choose(100)
+        request.observe(drafted=gamma, accepted=0, verified_tokens=gamma + 1, verify_us=124_000, batch_size=1, batch_tokens=3)
+    assert request.choose(100) == 0
+
+
+def test_a_deployment_whose_model_draft_stopped_drafting_tries_again_later():
+    """Requests that do not draft still move the deployment's rate back towards its prior, so that a bad stretch of
+    text (a model draft missing on every round) does not turn drafting off for good."""
+    speed = MeasuredSpeed()
+    request = qwen_request(speed)
+    request.shared_acceptance = speed.acceptance
+    for _ in range(100):
+        request.observe(drafted=2, accepted=0, verified_tokens=3, verify_us=124_000, batch_size=1, batch_tokens=3)
+    assert qwen_request(speed).choose(100) == 0
+    for _ in range(2000):  # 200 s of one client's rounds
+        request.observe(drafted=0, accepted=0, verified_tokens=1, verify_us=106_000, batch_size=1, batch_tokens=1)
+    assert qwen_request(speed).choose(100) > 0
+
+
 def test_heuristic_schedule_adds_two_after_a_full_acceptance_and_drops_one_otherwise():
     policy = HeuristicPolicy(gamma=4, max_gamma=16)
     policy.observe(drafted=4, accepted=4, verified_tokens=5, verify_us=0, batch_size=1, batch_tokens=5)
