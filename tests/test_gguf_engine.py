@@ -20,6 +20,7 @@ from common.models import load_model, resolve_engine
 from common.quantized import formats
 from common.quantized.gguf_file import read_tensors
 from common.quantized.kernels import kernels
+from common.quantized.decoder import StackedProducts
 from common.quantized.layers import QuantizedLinear
 from common.sampling import SamplingParams, logits_to_probs
 from draft_worker.engine import DraftEngine
@@ -121,6 +122,54 @@ def test_kernel_rows_are_bit_identical_at_every_row_count_and_beside_any_rows(sp
         assert torch.equal(layer(x[order]), alone[order])
     # The test can fail: a different row gives a different result.
     assert not torch.equal(alone[0], alone[1])
+
+
+@pytest.mark.parametrize("spec,name", TENSORS, ids=lambda v: v)
+def test_the_prefetch_distance_changes_no_result(spec, name):
+    weight, _, _ = packed_slice(spec, name)
+    layer, ops = QuantizedLinear(weight), kernels()
+    x = torch.randn(5, weight.in_features, generator=torch.Generator().manual_seed(4))
+    default = ops.prefetch_distance()
+    try:
+        results = []
+        for distance in (64, default, 1 << 20):  # a line ahead, the default, far past every weight here
+            ops.set_prefetch_distance(distance)
+            results.append(layer(x))
+    finally:
+        ops.set_prefetch_distance(default)
+    assert all(torch.equal(r, results[1]) for r in results)
+    with pytest.raises(RuntimeError, match="positive"):
+        ops.set_prefetch_distance(0)
+
+
+@pytest.mark.parametrize("numerics", ["lanes", "totals"])
+def test_products_stacked_into_one_call_equal_their_own_calls_bit_for_bit(numerics):
+    """The decoder computes q, k and v (and gate and up) in one kernel call where their formats match: each output
+    must be exactly what its own layer computes, at any row count, with the weights held once."""
+    qwen = "qwen2.5-coder-1.5b"
+    q6k_v = next(n for n, t in tensors_of(qwen).items() if n.endswith("attn_v.weight") and t.tensor_type.name == "Q6_K")
+    seeded = torch.Generator().manual_seed(3)
+    layers = [
+        QuantizedLinear(packed_slice(qwen, name)[0], bias)
+        for name, bias in [
+            ("blk.0.attn_q.weight", torch.randn(ROWS, generator=seeded)),  # Q4_K, with a bias
+            ("blk.0.attn_k.weight", torch.randn(ROWS, generator=seeded)),  # Q4_K, with a bias: stacked with q
+            (q6k_v, torch.randn(ROWS, generator=seeded)),  # Q6_K: a call of its own
+            ("blk.0.ffn_gate.weight", None),  # Q4_K without a bias: a call of its own
+        ]
+    ]
+    x = torch.randn(33, layers[0].in_features, generator=seeded)
+    with kernel_settings(isas_of_this_cpu(numerics)[-1], numerics):
+        own = [layer.product(x) for layer in layers]
+        products = StackedProducts(layers)
+        assert [sizes for _, sizes in products.calls] == [[ROWS, ROWS], [ROWS], [ROWS]]
+        for rows in (1, 2, 3, 5, 8, 17, 33):
+            stacked = products(x[:rows])
+            assert all(torch.equal(s, o[:rows]) for s, o in zip(stacked, own, strict=True)), f"{rows} rows"
+        assert torch.equal(layers[1].product(x), own[1])  # the layers still compute alone, on the stacked weights
+    stacked_q_k = products.calls[0][0]
+    assert layers[0].w0.untyped_storage().data_ptr() == stacked_q_k.w0.untyped_storage().data_ptr(), "held twice"
+    assert not torch.equal(own[0], own[1])  # the test can fail: different layers give different outputs
 
 
 @pytest.mark.parametrize("numerics", ["lanes", "totals"])

@@ -12,6 +12,32 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from common.quantized.kernels import kernels
+from common.quantized.layers import QuantizedLinear
+
+
+class StackedProducts:
+    """Products that read the same input, in as few kernel calls as their formats allow (QuantizedLinear.stacked):
+    q, k and v (v's format differs in some layers of a Q4_K_M file), gate and up."""
+
+    def __init__(self, layers: list[QuantizedLinear]):
+        self.calls: list[tuple[QuantizedLinear, list[int]]] = []
+        groups: dict[tuple, list[QuantizedLinear]] = {}
+        for layer in layers:
+            groups.setdefault((layer.kernel, layer.bias is None), []).append(layer)
+        order = []
+        for group in groups.values():
+            stacked = QuantizedLinear.stacked(group) if len(group) > 1 else None
+            calls = [(stacked, [g.out_features for g in group])] if stacked else [(g, [g.out_features]) for g in group]
+            self.calls += calls
+            order += group
+        self.order = [order.index(layer) for layer in layers]  # where each given layer's output lands
+
+    def __call__(self, h: torch.Tensor) -> list[torch.Tensor]:
+        outputs = []
+        for linear, sizes in self.calls:
+            y = linear.product(h)
+            outputs += [y] if len(sizes) == 1 else list(y.split(sizes, dim=1))
+        return [outputs[i] for i in self.order]
 
 
 class DecoderLayer:
@@ -19,8 +45,9 @@ class DecoderLayer:
 
     def __init__(self, layer: torch.nn.Module):
         attention, mlp = layer.self_attn, layer.mlp
-        self.q, self.k, self.v, self.o = attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj
-        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.o, self.down = attention.o_proj, mlp.down_proj
+        self.qkv = StackedProducts([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.gate_up = StackedProducts([mlp.gate_proj, mlp.up_proj])
         self.attention_norm, self.ffn_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.head_dim, self.scaling = attention.head_dim, attention.scaling
 
@@ -59,9 +86,10 @@ class QuantizedDecoder:
                 buffers.reserve(prototype, prototype, start + n)
         for layer, spec in enumerate(self.layers):
             h = ops.rms_norm(hidden, spec.attention_norm.weight, spec.attention_norm.variance_epsilon)
-            q = spec.q.product(h).view(rows, heads, spec.head_dim)
-            k = spec.k.product(h).view(rows, kv_heads, spec.head_dim)
-            v = spec.v.product(h).view(rows, kv_heads, spec.head_dim)
+            q, k, v = spec.qkv(h)
+            q = q.contiguous().view(rows, heads, spec.head_dim)
+            k = k.contiguous().view(rows, kv_heads, spec.head_dim)
+            v = v.contiguous().view(rows, kv_heads, spec.head_dim)
             ops.rotary(q, cos, sin)
             ops.rotary(k, cos, sin)
             buffers = [cache.layers[layer] for cache in caches]
@@ -70,7 +98,8 @@ class QuantizedDecoder:
             )
             hidden += spec.o.product(attended)
             h = ops.rms_norm(hidden, spec.ffn_norm.weight, spec.ffn_norm.variance_epsilon)
-            gate = F.silu(spec.gate.product(h), inplace=True).mul_(spec.up.product(h))
+            gate, up = spec.gate_up(h)
+            gate = F.silu(gate).mul_(up)
             hidden += spec.down.product(gate)
         for cache, start, n in zip(caches, starts, lengths, strict=True):
             for buffers in cache.layers:

@@ -144,12 +144,13 @@ struct Q4KAcc<R, Totals> {
 template <int R, class N>
 void q4k_rows(const Q4K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const Q4K w = weights.row(n);
-    prefetch(w.codes + kPrefetchAhead * (w.k / 2), w.k / 2);
+    const uint8_t* ahead = w.codes + prefetch_rows(w.k / 2) * (w.k / 2);  // the same superblock, rows further on
     const int64_t superblocks = w.k / 256;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const RowTile<R> x(a, rows);
     Q4KAcc<R, N> acc;
     for (int64_t s = 0; s < superblocks; ++s) {
+        prefetch(ahead + s * 128, 128);
         __m256i isum[R], isum2[R];  // isum2: a second chain for few rows (see kSplit)
         for (int r = 0; r < R; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
         // The 8 group scales as int16, in both 128-bit halves: one shuffle then broadcasts any of them.
@@ -218,8 +219,9 @@ struct Q6KAcc<R, Totals> {
 template <int R, class N>
 void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const Q6K w = weights.row(n);
-    prefetch(w.ql + kPrefetchAhead * (w.k / 2), w.k / 2);
-    prefetch(w.qh + kPrefetchAhead * (w.k / 4), w.k / 4);
+    const int64_t ahead = prefetch_rows(w.k / 2 + w.k / 4);
+    const uint8_t* ql_ahead = w.ql + ahead * (w.k / 2);  // the same superblock, rows further on
+    const uint8_t* qh_ahead = w.qh + ahead * (w.k / 4);
     const int64_t superblocks = w.k / 256;
     // Bytes 0-1 of each int32 into the low 128 bits' int16 lanes, bytes 2-3 into the high ones'.
     const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
@@ -227,6 +229,8 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
     const RowTile<R> x(a, rows);
     Q6KAcc<R, N> acc;
     for (int64_t s = 0; s < superblocks; ++s) {
+        prefetch(ql_ahead + s * 128, 128);
+        prefetch(qh_ahead + s * 64, 64);
         __m256i isum[R], isum2[R];  // isum2: a second chain for few rows (see kSplit)
         // int16 lane g = sc[g]; int32 element c therefore holds the scales of chunk c's two groups, 2c and 2c + 1.
         const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w.sc + s * 16)));
@@ -262,7 +266,7 @@ template <int R>
 void q41_rows(const Q41& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const int64_t groups = w.k / 32;
     const uint8_t* codes = w.codes + n * (w.k / 2);
-    prefetch(codes + kPrefetchAhead * (w.k / 2), w.k / 2);
+    const uint8_t* ahead = codes + prefetch_rows(w.k / 2) * (w.k / 2);  // the same group, rows further on
     const float* d = w.d + n * groups;
     const float* m = w.m + n * groups;
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -270,6 +274,7 @@ void q41_rows(const Q41& w, int64_t n, const QuantizedRows& a, const int64_t* ro
     float acc_min[R];
     for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_min[r] = 0.f; }
     for (int64_t c = 0; c < groups / 2; ++c) {
+        prefetch(ahead + c * 32, 32);
         const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + c * 32));
         const __m256i half[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
         for (int h = 0; h < 2; ++h) {
@@ -293,11 +298,12 @@ template <int R>
 void q80_rows(const Q80& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const int64_t groups = w.k / 32;
     const int8_t* codes = w.codes + n * w.k;
-    prefetch(codes + kPrefetchAhead * w.k, w.k);
+    const int8_t* ahead = codes + prefetch_rows(w.k) * w.k;  // the same group, rows further on
     const float* d = w.d + n * groups;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
+        prefetch(ahead + g * 32, 32);
         const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + g * 32));
         const __m256i magnitude = _mm256_sign_epi8(v, v);  // maddubs takes its first operand unsigned
         for (int r = 0; r < R; ++r) {

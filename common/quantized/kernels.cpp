@@ -76,10 +76,15 @@ inline float hsum_f32(__m256 v) {
 
 // Where few activation rows share a weight row, a pass streams the weights once and is bound by memory, yet the
 // hardware prefetcher alone left a 1-row pass of the 1.5B at half of this VM's read bandwidth (12 of 24 GB/s).
-// The row kernels therefore ask for the codes of the weight row kPrefetchAhead rows on (0.77x the time of a 1-row
-// pass, 0.92x at 4 rows, measured; no result changes). Full 512-bit tiles of 8 rows are bound by their products
-// and do not (it cost them 2 %). A prefetch is a hint: it never faults, even past the end.
-constexpr int64_t kPrefetchAhead = 8;
+// The row kernels therefore ask for the codes of a weight row about prefetch_bytes further on (0.77x the time of a
+// 1-row pass, 0.92x at 4 rows, measured; no result changes). Full 512-bit tiles of 8 rows are bound by their
+// products and do not (it cost them 2 %). A prefetch is a hint: it never faults, even past the end.
+// The distance is in bytes, not rows: 8 rows ahead (as first written) is 6 KB of a 1536-wide Q4_K weight but 36 KB
+// of the 8960-wide ffn_down, more than a 32 KB L1 holds (AMD Zen 4), so those lines were evicted before use.
+constexpr int64_t kPrefetchBytes = 6144;
+int64_t prefetch_bytes = kPrefetchBytes;
+// How far ahead to prefetch a weight whose rows take row_bytes: whole rows, at least one.
+inline int64_t prefetch_rows(int64_t row_bytes) { return std::max<int64_t>(1, prefetch_bytes / row_bytes); }
 inline void prefetch(const void* start, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch((const char*)start + offset, _MM_HINT_T0);
 }
@@ -286,6 +291,14 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block) 
     return {q, s};
 }
 
+// The prefetch distance in bytes (kPrefetchBytes by default): a hint, so any value computes the same results; the
+// bench and tests set it to compare.
+int64_t prefetch_distance() { return prefetch_bytes; }
+void set_prefetch_distance(int64_t bytes) {
+    TORCH_CHECK(bytes > 0, "the prefetch distance must be positive, not ", bytes);
+    prefetch_bytes = bytes;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -301,4 +314,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_isa", &set_isa);
     m.def("numerics", &numerics);
     m.def("set_numerics", &set_numerics);
+    m.def("prefetch_distance", &prefetch_distance);
+    m.def("set_prefetch_distance", &set_prefetch_distance);
 }

@@ -32,6 +32,37 @@ class QuantizedLinear(torch.nn.Module):
         bias = None if self.bias is None else self.bias[rows].contiguous()
         return QuantizedLinear(PackedWeight(self.kernel, len(rows), self.in_features, tensors), bias)
 
+    @classmethod
+    def stacked(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
+        """One layer computing the given layers' outputs side by side (their weight rows one after the other), or
+        None where they cannot share a kernel call (different formats or inputs, a bias on some only).
+
+        A call per layer pays the activations' quantization, a parallel region and Python's dispatch each time; for
+        a one-row step these are a large share of the small q/k/v products. Output rows are independent blocks, so
+        each output is bit-identical to its own layer's. The given layers' buffers become views of the stacked
+        ones: no weight is held twice."""
+        first = layers[0]
+        if any(
+            layer.kernel != first.kernel or layer.in_features != first.in_features or (layer.bias is None) != (first.bias is None)
+            for layer in layers
+        ):
+            return None
+        tensors = tuple(
+            torch.cat([getattr(layer, name).reshape(layer.out_features, -1) for layer in layers]) for name in first.names
+        )
+        bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
+        out_features = sum(layer.out_features for layer in layers)
+        stacked = cls(PackedWeight(first.kernel, out_features, first.in_features, tensors), bias)
+        start = 0
+        for layer in layers:
+            end = start + layer.out_features
+            for name, tensor in zip(first.names, tensors, strict=True):
+                setattr(layer, name, tensor[start:end])
+            if bias is not None:
+                layer.bias = bias[start:end]
+            start = end
+        return stacked
+
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, in_features], contiguous float32 -> [n, out_features], bias included."""
         y = self.matmul(rows, *(getattr(self, n) for n in self.names), self.out_features, self.in_features)
