@@ -159,6 +159,14 @@ def specdec_run(client: GenerationClient, prompt: dict, max_new_tokens: int, gam
     return run_to_dict(grpc_run(client, "specdec", prompt, gamma, 0.0, 0, max_new_tokens))
 
 
+def rotated(items: list, turn: int) -> list:
+    """items starting at a different one each turn, so that every system takes each place in the order in turn. In a
+    fixed order specdec's target-only always ran right after llama-server's requests, and ran 0.75x the speed of the
+    auto gamma request after it, which drafted 9 tokens in 883: the same work (2026-12-02, docs/results.md)."""
+    start = turn % len(items)
+    return items[start:] + items[:start]
+
+
 def run_cluster_systems(
     config: LlamaCppConfig, draft: str, prompts: list[dict], peers: dict, out: Path, parallel_peer: LlamaServer | None = None
 ) -> tuple[list[dict], list[dict]]:
@@ -179,11 +187,11 @@ def run_cluster_systems(
     try:
         with GenerationClient(cluster.address) as client:
             for repeat in range(config.repeats + 1):
-                for prompt in prompts:
+                for index, prompt in enumerate(prompts):
                     systems = {"specdec target-only": lambda p: specdec_run(client, p, config.max_new_tokens, 0)}
                     systems[f"specdec auto ({draft})"] = lambda p: specdec_run(client, p, config.max_new_tokens, -1)
                     systems.update(peers)
-                    for system, run in systems.items():
+                    for system, run in rotated(list(systems.items()), repeat * len(prompts) + index):
                         row = run(prompt)
                         row.update(system=system, prompt=prompt["id"], category=prompt["category"], repeat=repeat)
                         rows.append(row)
