@@ -160,9 +160,9 @@ def specdec_run(client: GenerationClient, prompt: dict, max_new_tokens: int, gam
 
 
 def rotated(items: list, turn: int) -> list:
-    """items starting at a different one each turn, so that every system takes each place in the order in turn. In a
-    fixed order specdec's target-only always ran right after llama-server's requests, and ran 0.75x the speed of the
-    auto gamma request after it, which drafted 9 tokens in 883: the same work (2026-12-02, docs/results.md)."""
+    """items starting at a different one each turn, so that every system takes each place in the order in turn: in a
+    fixed order, whatever one system's request leaves behind (its threads still holding the cores, evicted caches)
+    always falls on the same next system."""
     start = turn % len(items)
     return items[start:] + items[:start]
 

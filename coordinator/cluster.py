@@ -18,7 +18,7 @@ from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_PORTS, DEFAULT_TARGET_MOD
 from draft_worker.specs import is_model_free
 
 # The best draft the project has for each target (README, "Choosing a draft"): prompt lookup for SmolLM2 and for
-# the Qwen pair too. On the gguf engine the 0.5B sibling costs 0.5x (AVX2) to 0.7-0.9x (AVX-512 on a Zen 4) a 1.5B
+# the Qwen pair too. On the gguf engine the 0.5B sibling costs 0.5x (AVX2) to 0.6-0.9x (AVX-512 on a Zen 4) a 1.5B
 # step: although it agrees with 0.85-0.92 of the 1.5B's greedy code tokens, its rounds barely beat target-only
 # where they pay at all (docs/results.md), while prompt lookup drafts for free.
 DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b": DEFAULT_DRAFT_MODEL}
