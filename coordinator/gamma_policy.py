@@ -54,7 +54,6 @@ class AcceptanceEstimate(DecayedRate):
     prior: float = PRIOR_ACCEPTANCE
     decay: float = EVIDENCE_DECAY  # per drafting round
     prior_weight: float = PRIOR_WEIGHT
-
     idle_decay: float = IDLE_DECAY  # per round without drafting
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -108,7 +107,7 @@ class MeasuredSpeed:
     # spend its first rounds learning what every earlier request already showed. Every request's rounds feed it,
     # those that draft and those that do not (which let it drift back to its prior, so that a deployment whose
     # rate once fell tries again).
-    acceptance: AcceptanceEstimate = field(default_factory=lambda: deployment_acceptance())
+    acceptance: AcceptanceEstimate = field(default_factory=deployment_acceptance)
     # What asking the draft costs a round beyond its compute: the exchange's transport, handling and queueing.
     draft_exchange: RunningMean = field(default_factory=RunningMean)
 
