@@ -30,4 +30,8 @@ class DecayedRate:
 
     @property
     def value(self) -> float:
-        return (self.successes + self.prior * self.prior_weight) / (self.trials + self.prior_weight)
+        return self.value_from(self.prior)
+
+    def value_from(self, prior: float) -> float:
+        """The estimate on the same evidence from another prior of the same weight."""
+        return (self.successes + prior * self.prior_weight) / (self.trials + self.prior_weight)

@@ -88,8 +88,8 @@ class RunningMean:
 
 
 def deployment_acceptance() -> AcceptanceEstimate:
-    """The deployment's rate before any round: a model draft's prior (a model-free draft's requests start from at
-    least PRIOR_ACCEPTANCE whatever it says, see MeasuredSpeed.prior)."""
+    """The deployment's rate, starting from a model draft's prior (a model-free draft's requests read its evidence
+    from the neutral prior instead, see MeasuredSpeed.prior)."""
     return AcceptanceEstimate(prior=MODEL_DRAFT_PRIOR, decay=DEPLOYMENT_DECAY, idle_decay=DEPLOYMENT_DECAY)
 
 
@@ -127,7 +127,8 @@ class MeasuredSpeed:
         prompts of the second repeat drafted 2-4 tokens each instead of 79, and ran 0.9x target-only)."""
         if not model_free:
             return self.acceptance.value
-        return max(self.acceptance.value, PRIOR_ACCEPTANCE) if self.acceptance.trials else PRIOR_ACCEPTANCE
+        # The deployment's evidence from the neutral prior: MODEL_DRAFT_PRIOR is a model draft's guess, not this one's.
+        return max(self.acceptance.value_from(PRIOR_ACCEPTANCE), PRIOR_ACCEPTANCE)
 
     def forget_draft(self) -> None:
         """A new draft worker: what was learned with the previous one (its speed against its curve, how often its

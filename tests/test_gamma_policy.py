@@ -175,6 +175,18 @@ def test_a_deployment_whose_model_draft_stopped_drafting_tries_again_later():
     assert qwen_request(speed).choose(100) > 0
 
 
+def test_a_model_free_request_starts_from_the_neutral_prior_not_a_model_drafts_guess():
+    """The deployment's rate starts at a model draft's optimistic guess and drifts back to it when nobody drafts;
+    a model-free draft's request reads the same evidence from the neutral prior instead."""
+    speed = MeasuredSpeed()
+    assert speed.prior(model_free=True) == pytest.approx(0.5)
+    speed.acceptance.observe(drafted=4, accepted=1)
+    for _ in range(3000):
+        speed.acceptance.observe(drafted=0, accepted=0)
+    assert speed.prior(model_free=False) == pytest.approx(0.8, abs=1e-3)
+    assert speed.prior(model_free=True) == pytest.approx(0.5, abs=1e-3)
+
+
 def test_heuristic_schedule_adds_two_after_a_full_acceptance_and_drops_one_otherwise():
     policy = HeuristicPolicy(gamma=4, max_gamma=16)
     policy.observe(drafted=4, accepted=4, verified_tokens=5, verify_us=0, batch_size=1, batch_tokens=5)

@@ -20,23 +20,18 @@ class StackedProducts:
     q, k and v (v's format differs in some layers of a Q4_K_M file), gate and up."""
 
     def __init__(self, layers: list[QuantizedLinear]):
-        self.calls: list[tuple[QuantizedLinear, list[int]]] = []
         groups: dict[tuple, list[QuantizedLinear]] = {}
         for layer in layers:
-            groups.setdefault((layer.kernel, layer.bias is None), []).append(layer)
-        order = []
-        for group in groups.values():
-            stacked = QuantizedLinear.stacked(group) if len(group) > 1 else None
-            calls = [(stacked, [g.out_features for g in group])] if stacked else [(g, [g.out_features]) for g in group]
-            self.calls += calls
-            order += group
+            groups.setdefault(layer.stacking_key, []).append(layer)
+        self.calls = [
+            (group[0] if len(group) == 1 else QuantizedLinear.stacked(group), [g.out_features for g in group])
+            for group in groups.values()
+        ]
+        order = [layer for group in groups.values() for layer in group]
         self.order = [order.index(layer) for layer in layers]  # where each given layer's output lands
 
     def __call__(self, h: torch.Tensor) -> list[torch.Tensor]:
-        outputs = []
-        for linear, sizes in self.calls:
-            y = linear.product(h)
-            outputs += [y] if len(sizes) == 1 else list(y.split(sizes, dim=1))
+        outputs = [y for linear, sizes in self.calls for y in linear.product(h).split(sizes, dim=1)]
         return [outputs[i] for i in self.order]
 
 

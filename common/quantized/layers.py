@@ -32,21 +32,23 @@ class QuantizedLinear(torch.nn.Module):
         bias = None if self.bias is None else self.bias[rows].contiguous()
         return QuantizedLinear(PackedWeight(self.kernel, len(rows), self.in_features, tensors), bias)
 
+    @property
+    def stacking_key(self) -> tuple:
+        """Layers with equal keys can share a kernel call (stacked): the same format and input, a bias on all or none."""
+        return self.kernel, self.in_features, self.bias is None
+
     @classmethod
-    def stacked(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
-        """One layer computing the given layers' outputs side by side (their weight rows one after the other), or
-        None where they cannot share a kernel call (different formats or inputs, a bias on some only).
+    def stacked(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear":
+        """One layer computing the given layers' outputs side by side (their weight rows one after the other); the
+        layers must share a stacking_key.
 
         A call per layer pays the activations' quantization, a parallel region and Python's dispatch each time; for
         a one-row step these are a large share of the small q/k/v products. Output rows are independent blocks, so
         each output is bit-identical to its own layer's. The given layers' buffers become views of the stacked
         ones: no weight is held twice."""
         first = layers[0]
-        if any(
-            layer.kernel != first.kernel or layer.in_features != first.in_features or (layer.bias is None) != (first.bias is None)
-            for layer in layers
-        ):
-            return None
+        if any(layer.stacking_key != first.stacking_key for layer in layers):
+            raise ValueError("only layers of one format and input, with a bias on all or none, can be stacked")
         tensors = tuple(
             torch.cat([getattr(layer, name).reshape(layer.out_features, -1) for layer in layers]) for name in first.names
         )
