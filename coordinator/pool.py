@@ -92,7 +92,7 @@ class Member:
         self.detail = ""  # why it is refused, not serving or unreachable
         self.local = 0  # sessions this coordinator holds on it
         self.reported = 0  # sessions the worker reported at the last poll ...
-        self.local_at_report = 0  # ... of which this coordinator's when the poll was sent
+        self.local_at_report = 0  # ... of which this coordinator's, at most (see poll)
         self.placed = 0  # sessions this coordinator has opened on it, in all
         self.failures = 0  # sessions on it that failed: a poll sent before the last one does not clear it
         self.backoff = Backoff(settings.retry_initial, settings.retry_max)
@@ -218,7 +218,7 @@ class WorkerPool:
     async def poll(self, member: Member) -> None:
         """Health first: a worker loading its model (or draining) answers NOT_SERVING, and its GetInfo would fail.
         What the poll finds replaces what a session failure found only if the poll began after that failure."""
-        timeout, failures, local = self.settings.poll_timeout, member.failures, member.local
+        timeout, failures, local, placed = self.settings.poll_timeout, member.failures, member.local, member.placed
         try:
             checked = await member.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             serving = checked.status == health_pb2.HealthCheckResponse.SERVING
@@ -232,7 +232,11 @@ class WorkerPool:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(checked.status)
             member.health, member.detail = Health.NOT_SERVING, status
             return
-        member.info, member.reported, member.local_at_report = info, info.active_sessions, local
+        # A session this coordinator opened while the poll was out may or may not be in the report. Counting it as
+        # reported never counts it twice (it is in `local` already); otherwise it would show as another
+        # coordinator's until the next poll, and a worker could look full with room left.
+        member.info, member.reported = info, info.active_sessions
+        member.local_at_report = local + member.placed - placed
         refused = self.accept(info)
         if refused:
             if member.detail != refused:

@@ -83,6 +83,37 @@ def test_sessions_go_to_the_member_with_the_fewest_ties_broken_at_random(target_
     asyncio.run(run())
 
 
+def test_a_session_opened_while_a_poll_is_out_is_counted_once(target_model):
+    """The worker's report may include a session this coordinator opened after the poll was sent: it must not count
+    both as its own and as another coordinator's (it did, making a member look fuller than it was)."""
+
+    async def run():
+        async with target_servers(target_model) as (addresses, _, _):
+            # No polls of the monitor's own: the test runs the one poll that races with an opening.
+            workers = GrpcWorkers(addresses, None, settings=PoolSettings(poll_interval=3600, resolve_interval=3600))
+            try:
+                await workers.target_info()
+                member = next(iter(workers.target_pool.members.values()))
+                real_get_info, opened = member.stub.GetInfo, []
+
+                async def get_info_answered_after_an_opening(request, timeout=None):
+                    opened.append(await workers.open_target([1, 2, 3], GREEDY, 0))
+                    return await real_get_info(request, timeout=timeout)
+
+                member.stub.GetInfo = get_info_answered_after_an_opening
+                await workers.target_pool.poll(member)
+                assert len(opened) == 1 and member.reported == 1, "the report did not include the new session"
+                assert member.sessions == 1
+                member.stub.GetInfo = real_get_info
+                await opened[0].close()
+                await workers.target_pool.poll(member)
+                assert member.sessions == 0
+            finally:
+                await workers.close()
+
+    asyncio.run(run())
+
+
 def test_a_draining_worker_gets_no_new_sessions_while_its_open_ones_finish(target_model):
     async def run():
         async with target_servers(target_model, target_model) as (addresses, healths, _):
