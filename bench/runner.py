@@ -134,6 +134,7 @@ def grpc_run(
                 "verify_us",
                 "sync_us",
                 "network_us",
+                "handling_us",
                 "coordinator_us",
                 "total_us",
                 "draft_overlapped_us",
@@ -345,9 +346,10 @@ def acceptance_by_position(runs: list[dict]) -> dict[int, float]:
 
 
 def overhead_per_round(run: dict) -> float:
-    """Seconds per round spent outside the models: sync, network and the coordinator."""
+    """Seconds per round spent outside the models: sync, network, the workers' handling and the coordinator."""
     split = run["split_us"]
-    return (split["sync_us"] + split["network_us"] + split["coordinator_us"]) / max(run["rounds"], 1) / 1e6
+    outside = split["sync_us"] + split["network_us"] + split.get("handling_us", 0) + split["coordinator_us"]
+    return outside / max(run["rounds"], 1) / 1e6
 
 
 def verify_cost(group: list[dict], curve: dict[int, float]) -> float:
