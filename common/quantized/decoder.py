@@ -94,6 +94,7 @@ class QuantizedDecoder:
             hidden += spec.o.product(attended)
             h = ops.rms_norm(hidden, spec.ffn_norm.weight, spec.ffn_norm.variance_epsilon)
             gate, up = spec.gate_up(h)
+            # Not in place: gate is a column slice of the stacked product, and down's kernel takes contiguous rows.
             gate = F.silu(gate).mul_(up)
             hidden += spec.down.product(gate)
         for cache, start, n in zip(caches, starts, lengths, strict=True):
