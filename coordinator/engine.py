@@ -243,6 +243,10 @@ def gamma_policy_for(engine: GenerationEngine, params: GenerationParams):
         draft_scale=speed.draft_scale,
         shared_acceptance=speed.acceptance,
         draft_exchange=speed.draft_exchange,
+        # From what the deployment's rounds pay now: the opening's round trip, the guess this replaced, includes
+        # waiting behind other sessions' passes (hundreds of ms under load), and made drafting look nearly free.
+        overhead_ms=speed.round_overhead.value,
+        shared_overhead=speed.round_overhead,
         peers=lambda: engine.running - 1,
     )
 
@@ -519,8 +523,6 @@ class RequestRun:
             await self.workers.open(parent)
         self.totals.prefill_us = elapsed_us(self.opened)
         self.policy = gamma_policy_for(self.engine, self.params)
-        # The opening's round trip beyond the target's prefill: a first guess of the per-round overhead.
-        self.policy.observe_overhead(max(0, self.totals.prefill_us - self.workers.target.prefill_us))
         self.speculating = self.workers.has_draft
         self.overlap = self.params.overlap and self.speculating
         # With overlap a model draft drafts only behind verification: after a discarded pre-draft the target

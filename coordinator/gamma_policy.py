@@ -72,9 +72,12 @@ class Scale:
 
     value: float = 1.0
 
-    def update(self, measured_ms: float, predicted_ms: float) -> None:
+    def update(self, measured_ms: float, predicted_ms: float, weight: float = 1.0) -> None:
+        """weight: how many measurements this one counts as (the sessions of one pass share it, see
+        CostModelPolicy.observe)."""
         if predicted_ms > 0 and measured_ms > 0:
-            self.value = SCALE_DECAY * self.value + (1 - SCALE_DECAY) * measured_ms / predicted_ms
+            keep = SCALE_DECAY**weight
+            self.value = keep * self.value + (1 - keep) * measured_ms / predicted_ms
 
 
 @dataclass
@@ -83,8 +86,9 @@ class RunningMean:
 
     value: float | None = None
 
-    def update(self, ms: float) -> None:
-        self.value = ms if self.value is None else SCALE_DECAY * self.value + (1 - SCALE_DECAY) * ms
+    def update(self, ms: float, weight: float = 1.0) -> None:
+        keep = SCALE_DECAY**weight
+        self.value = ms if self.value is None else keep * self.value + (1 - keep) * ms
 
 
 def deployment_acceptance() -> AcceptanceEstimate:
@@ -110,6 +114,9 @@ class MeasuredSpeed:
     acceptance: AcceptanceEstimate = field(default_factory=deployment_acceptance)
     # What asking the draft costs a round beyond its compute: the exchange's transport, handling and queueing.
     draft_exchange: RunningMean = field(default_factory=RunningMean)
+    # What a round pays beyond the target's work (its exchange and the coordinator): where a new request's
+    # estimate starts (CostModelPolicy.overhead_ms).
+    round_overhead: RunningMean = field(default_factory=RunningMean)
 
     def request_acceptance(self, model_free: bool) -> AcceptanceEstimate:
         """A new request's estimate: from prior(model_free), which weighs as MODEL_PRIOR_WEIGHT drafted tokens for
@@ -151,6 +158,7 @@ class CostModelPolicy:
     draft_scale: Scale = field(default_factory=Scale)
     shared_acceptance: AcceptanceEstimate | None = None  # the deployment's (MeasuredSpeed.acceptance), fed too
     overhead_ms: float | None = None  # per round: the target's exchange beyond its work, and the coordinator's
+    shared_overhead: RunningMean | None = None  # the deployment's (MeasuredSpeed.round_overhead), fed too
     draft_exchange: RunningMean = field(default_factory=RunningMean)  # per drafting round (MeasuredSpeed's)
     other_sessions: int = 0  # sessions batched with this one in the target's last forward pass
     peers: Callable[[], int] = lambda: 0  # requests of this coordinator running beside this one, now
@@ -230,8 +238,12 @@ class CostModelPolicy:
         self.other_sessions = max(0, batch_size - 1)
         rows = self.target_rows(max(batch_tokens, verified_tokens))
         predicted = self.target_ms(rows)
-        self.target_scale.update(verify_us / 1e3, predicted)
-        self.row_scales.setdefault(rows, Scale(self.target_scale.value)).update(verify_us / 1e3, predicted)
+        # The scales are shared by the requests of a coordinator, and every session of a batch reports the same
+        # pass: each counts for its share, so that a pass of 8 sessions moves them as one measurement, not as 8
+        # (which left them at the last pass's noise, and the choice between row counts with it).
+        share = 1 / max(batch_size, 1)
+        self.target_scale.update(verify_us / 1e3, predicted, share)
+        self.row_scales.setdefault(rows, Scale(self.target_scale.value)).update(verify_us / 1e3, predicted, share)
 
     def observe_draft(self, drafted: int, compute_us: int) -> None:
         if drafted and self.draft_costs:
@@ -242,6 +254,8 @@ class CostModelPolicy:
         draft exchange cost beyond drafting (None: the round did not ask the draft)."""
         ms = overhead_us / 1e3
         self.overhead_ms = ms if self.overhead_ms is None else SCALE_DECAY * self.overhead_ms + (1 - SCALE_DECAY) * ms
+        if self.shared_overhead is not None:
+            self.shared_overhead.update(ms, 1 / (1 + self.other_sessions))
         if draft_exchange_us is not None:
             self.draft_exchange.update(draft_exchange_us / 1e3)
 

@@ -10,6 +10,7 @@ from common.sampling import SamplingParams
 from coordinator.config import CoordinatorConfig
 from coordinator.round import DraftSync
 from coordinator.types import GenerationParams
+from coordinator.engine import gamma_policy_for
 from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, MeasuredSpeed
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
@@ -233,6 +234,37 @@ def test_policies_of_one_coordinator_share_the_worker_speed_they_measure():
         first.observe_draft(2, 80_000)
     assert second.draft_ms(1) == pytest.approx(40, rel=0.05)
     assert policy_with(0.6, [(1, 10)]).draft_ms(1) == 10  # a policy of its own starts from the curve
+
+
+def test_the_sessions_of_one_pass_move_the_shared_scales_as_one_measurement():
+    """Every session of a batch reports the same pass. Counted once each, 8 sessions left the coordinator's shared
+    scales at the last pass's time (0.8^8 of the memory kept), and the choice between row counts swung with it."""
+    speed, alone = MeasuredSpeed(), MeasuredSpeed()
+    batch = [policy_with(0.5, target_scale=speed.target_scale, row_scales=speed.row_scales) for _ in range(8)]
+    for policy in batch:  # one pass of 8 sessions, 8 rows, measured 2x the curve (53 ms)
+        policy.observe(drafted=0, accepted=0, verified_tokens=1, verify_us=106_000, batch_size=8, batch_tokens=8)
+    single = policy_with(0.5, target_scale=alone.target_scale, row_scales=alone.row_scales)
+    single.observe(drafted=0, accepted=0, verified_tokens=8, verify_us=106_000, batch_size=1, batch_tokens=8)
+    assert speed.target_scale.value == pytest.approx(alone.target_scale.value) == pytest.approx(1.2)
+    assert speed.row_scales[8].value == pytest.approx(1.22, abs=0.01)  # counted 8 times it would be 1.83
+
+
+def test_a_new_request_starts_from_the_round_overhead_the_deployment_measured(target_model):
+    """Not from its opening's round trip, which under load includes waiting behind other sessions' passes (hundreds
+    of ms, which made drafting look nearly free for a request's first rounds)."""
+
+    async def run():
+        workers = InProcessWorkers(TargetEngine(target_model, calibrate=True), draft_engine_for(None, "ngram"))
+        engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target_model.tokenizer)
+        params = GenerationParams(list(range(40, 60)), SamplingParams(temperature=0), 8, -1)
+        assert gamma_policy_for(engine, params).overhead_ms is None
+        await engine.generate_all(params)
+        measured = engine.measured_speed.round_overhead.value
+        assert measured is not None and measured < 50
+        policy = gamma_policy_for(engine, params)
+        assert policy.overhead_ms == measured and policy.shared_overhead is engine.measured_speed.round_overhead
+
+    asyncio.run(run())
 
 
 def test_a_request_leaves_what_its_rounds_measured_for_the_next(target_model, draft_models):
