@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.performance import wave
-from bench.runner import grpc_run, load_prompts, machine_description, run_to_dict
+from bench.runner import grpc_run, load_prompts, machine_description, rotated, run_to_dict
 from coordinator.client import GenerationClient
 from coordinator.cluster import Cluster, free_port, model_draft_for
 
@@ -48,13 +48,16 @@ class DraftingConfig:
     repeats: int = 1  # counted passes over both workloads
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     requests_per_client: int = 2
+    # Passes over the sweep, the systems' order rotated each time: a level's ratio is the median of its passes'
+    # (one wave lasts seconds, and this machine's speed drifts by up to 40 % within minutes).
+    sweep_passes: int = 3
     output_root: str = "bench/results"
 
     def __post_init__(self):
         self.draft_model = self.draft_model or model_draft_for(self.target_model)
         if self.quick:
             self.max_new_tokens = min(self.max_new_tokens, 64)
-            self.concurrency, self.requests_per_client = [1, 4], 1
+            self.concurrency, self.requests_per_client, self.sweep_passes = [1, 4], 1, 1
 
 
 def editing_requests(quick: bool) -> list[list[dict]]:
@@ -119,30 +122,59 @@ def run_workloads(config: DraftingConfig, clients: dict[tuple[str, bool], Genera
 
 def concurrency_sweep(config: DraftingConfig, addresses: dict[tuple[str, bool], str]) -> list[dict]:
     """Each level: n clients start together, each sending requests_per_client requests one after another; the
-    systems in turn at each level."""
+    systems in turn at each level, in an order rotated from one level and pass to the next. One row per pass,
+    system and level, its ratio against target-only's wave of the same pass and level."""
     prompts = load_prompts(None)
-    levels = []
-    for clients in config.concurrency:
-        for system, (cluster, gamma) in sweep_systems().items():
-            requests, wall = wave(addresses[cluster], prompts, clients, config.requests_per_client, gamma, SWEEP_TOKENS)
-            levels.append(
-                {
-                    "system": system,
-                    "clients": clients,
-                    "aggregate_tokens_per_second": sum(r["tokens"] for r in requests) / wall,
-                    "median_ms_per_token": statistics.median(r["ms_per_token"] for r in requests),
-                    "mean_target_batch": statistics.mean(r["mean_target_batch"] for r in requests),
-                    "drafted": sum(r["drafted"] for r in requests),
-                    "accepted": sum(r["accepted"] for r in requests),
-                    "outputs": {r["prompt_id"]: r["token_ids"] for r in requests},
-                }
-            )
-        print(f"drafting: {clients} clients done", flush=True)
-    baseline = {(r["clients"]): r for r in levels if r["system"] == BASELINE}
-    reference = {p: ids for r in levels if r["system"] == BASELINE for p, ids in r["outputs"].items()}
-    for row in levels:
-        row["x_target_only"] = row["aggregate_tokens_per_second"] / baseline[row["clients"]]["aggregate_tokens_per_second"]
+    systems = list(sweep_systems().items())
+    waves = []
+    for sweep_pass in range(config.sweep_passes):
+        for i, clients in enumerate(config.concurrency):
+            for system, (cluster, gamma) in rotated(systems, sweep_pass + i):
+                requests, wall = wave(addresses[cluster], prompts, clients, config.requests_per_client, gamma, SWEEP_TOKENS)
+                waves.append(
+                    {
+                        "system": system,
+                        "clients": clients,
+                        "pass": sweep_pass,
+                        "aggregate_tokens_per_second": sum(r["tokens"] for r in requests) / wall,
+                        "median_ms_per_token": statistics.median(r["ms_per_token"] for r in requests),
+                        "mean_target_batch": statistics.mean(r["mean_target_batch"] for r in requests),
+                        "drafted": sum(r["drafted"] for r in requests),
+                        "accepted": sum(r["accepted"] for r in requests),
+                        "outputs": {r["prompt_id"]: r["token_ids"] for r in requests},
+                    }
+                )
+            print(f"drafting: pass {sweep_pass + 1}, {clients} clients done", flush=True)
+    baseline = {(r["clients"], r["pass"]): r for r in waves if r["system"] == BASELINE}
+    reference = {p: ids for r in waves if r["system"] == BASELINE for p, ids in r["outputs"].items()}
+    for row in waves:
+        row["x_target_only"] = (
+            row["aggregate_tokens_per_second"] / baseline[row["clients"], row["pass"]]["aggregate_tokens_per_second"]
+        )
         row["identical_to_target_only"] = all(reference[p] == ids for p, ids in row.pop("outputs").items())
+    return waves
+
+
+def sweep_levels(waves: list[dict]) -> list[dict]:
+    """Per system and level, over the passes: medians of tokens/s, of ms per token, and of the ratio to target-only."""
+    levels = []
+    for system, clients in dict.fromkeys((r["system"], r["clients"]) for r in waves):
+        mine = [r for r in waves if (r["system"], r["clients"]) == (system, clients)]
+        drafted, accepted = sum(r["drafted"] for r in mine), sum(r["accepted"] for r in mine)
+        levels.append(
+            {
+                "system": system,
+                "clients": clients,
+                "aggregate_tokens_per_second": statistics.median(r["aggregate_tokens_per_second"] for r in mine),
+                "x_target_only": statistics.median(r["x_target_only"] for r in mine),
+                "x_target_only_by_pass": [r["x_target_only"] for r in mine],
+                "median_ms_per_token": statistics.median(r["median_ms_per_token"] for r in mine),
+                "mean_target_batch": statistics.mean(r["mean_target_batch"] for r in mine),
+                "drafted": drafted,
+                "accepted": accepted,
+                "identical_to_target_only": all(r["identical_to_target_only"] for r in mine),
+            }
+        )
     return levels
 
 
@@ -224,15 +256,20 @@ def report(results: dict) -> str:
         "",
         f"## Concurrency: clients sending at once, {SWEEP_TOKENS} tokens each, auto gamma",
         "",
-        "| system | clients | aggregate tok/s | x target-only | median ms/token | mean target batch | acceptance | identical |",
-        "|---|---|---|---|---|---|---|---|",
+        f"Medians over {config['sweep_passes']} passes (the systems' order rotated); x target-only: the median of each "
+        "pass's ratio to target-only's wave at the same level.",
+        "",
+        "| system | clients | aggregate tok/s | x target-only | by pass | median ms/token | mean target batch | drafted | "
+        "acceptance | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in sorted(results["concurrency"], key=lambda r: (r["system"] != BASELINE, r["system"], r["clients"])):
+    for row in sorted(sweep_levels(results["concurrency"]), key=lambda r: (r["system"] != BASELINE, r["system"], r["clients"])):
         acceptance = row["accepted"] / row["drafted"] if row["drafted"] else 0.0
+        by_pass = " / ".join(f"{x:.2f}" for x in row["x_target_only_by_pass"])
         lines.append(
             f"| {row['system']} | {row['clients']} | {row['aggregate_tokens_per_second']:.2f} | {row['x_target_only']:.2f} | "
-            f"{row['median_ms_per_token']:.1f} | {row['mean_target_batch']:.2f} | {acceptance:.2f} | "
-            f"{row['identical_to_target_only']} |"
+            f"{by_pass} | {row['median_ms_per_token']:.1f} | {row['mean_target_batch']:.2f} | {row['drafted']} | "
+            f"{acceptance:.2f} | {row['identical_to_target_only']} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.llama_server import LlamaServer
-from bench.runner import grpc_run, load_prompts, machine_description, run_to_dict
+from bench.runner import grpc_run, load_prompts, machine_description, rotated, run_to_dict
 from common.model_specs import gguf_path, split_variant
 from common.models import load_model
 from coordinator.client import GenerationClient
@@ -157,14 +157,6 @@ def llama_run(llm, prompt: dict, max_new_tokens: int) -> dict:
 def specdec_run(client: GenerationClient, prompt: dict, max_new_tokens: int, gamma: int) -> dict:
     """One greedy request through the coordinator (bench.runner.grpc_run), as a row."""
     return run_to_dict(grpc_run(client, "specdec", prompt, gamma, 0.0, 0, max_new_tokens))
-
-
-def rotated(items: list, turn: int) -> list:
-    """items starting at a different one each turn, so that every system takes each place in the order in turn: in a
-    fixed order, whatever one system's request leaves behind (its threads still holding the cores, evicted caches)
-    always falls on the same next system."""
-    start = turn % len(items)
-    return items[start:] + items[:start]
 
 
 def run_cluster_systems(

@@ -90,6 +90,14 @@ def run_to_dict(run: Run) -> dict:
     return asdict(run) | {"tokens_per_second": run.tokens_per_second}
 
 
+def rotated(items: list, turn: int) -> list:
+    """items starting at a different one each turn, so that every system takes each place in the order in turn: in a
+    fixed order, whatever one system's request leaves behind (its threads still holding the cores, evicted caches)
+    always falls on the same next system."""
+    start = turn % len(items)
+    return items[start:] + items[:start]
+
+
 def grpc_run(
     client: GenerationClient,
     system: str,

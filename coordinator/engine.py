@@ -219,9 +219,10 @@ def derived_seed(seed: int | None, generation: int, stream: str = "reopen") -> i
     return stream_seed(seed, f"{stream}:{generation}")
 
 
-def gamma_policy_for(engine: GenerationEngine, params: GenerationParams):
+def gamma_policy_for(engine: GenerationEngine, params: GenerationParams, opening_overhead_ms: float | None = None):
     """How a request chooses each round's gamma: the fixed gamma it asked for, the heuristic schedule, or (auto)
-    the cost model over the workers' measured speeds."""
+    the cost model over the workers' measured speeds. opening_overhead_ms: the target opening's transport, the
+    round overhead's first guess where the deployment has measured none yet."""
     gamma, config = params.num_speculative_tokens, engine.config
     if gamma >= 0:
         return FixedPolicy(gamma)
@@ -243,9 +244,10 @@ def gamma_policy_for(engine: GenerationEngine, params: GenerationParams):
         draft_scale=speed.draft_scale,
         shared_acceptance=speed.acceptance,
         draft_exchange=speed.draft_exchange,
-        # From what the deployment's rounds pay now: the opening's round trip, the guess this replaced, includes
-        # waiting behind other sessions' passes (hundreds of ms under load), and made drafting look nearly free.
-        overhead_ms=speed.round_overhead.value,
+        # From what the deployment's rounds pay now, else the opening's transport. Not the opening's whole round
+        # trip, as it was: under load that includes waiting behind other sessions' passes (hundreds of ms), which
+        # made drafting look nearly free for a request's first rounds.
+        overhead_ms=speed.round_overhead.value if speed.round_overhead.value is not None else opening_overhead_ms,
         shared_overhead=speed.round_overhead,
         peers=lambda: engine.running - 1,
     )
@@ -522,7 +524,7 @@ class RequestRun:
         with child_span("prefill", self.root_context) as parent:
             await self.workers.open(parent)
         self.totals.prefill_us = elapsed_us(self.opened)
-        self.policy = gamma_policy_for(self.engine, self.params)
+        self.policy = gamma_policy_for(self.engine, self.params, self.workers.target.opening_overhead_us / 1e3)
         self.speculating = self.workers.has_draft
         self.overlap = self.params.overlap and self.speculating
         # With overlap a model draft drafts only behind verification: after a discarded pre-draft the target

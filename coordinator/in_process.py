@@ -23,6 +23,7 @@ class InProcessTargetSession:
         self.engine = engine
         self.session, opened = call_in_context(parent, engine.open_session, prompt, params, num_p_entries, max_tokens)
         self.prefill_us = opened.compute_us
+        self.opening_overhead_us = 0  # no transport
 
     async def verify(
         self, draft_tokens: list[int], draft_dists: list[SparseDistribution], parent: Context | None = None

@@ -1,6 +1,7 @@
 """Workers over gRPC: each session is one bidirectional stream (DraftService.Draft, TargetService.Verify)."""
 
 import asyncio
+import time
 import functools
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from common.rounds import DraftQ, DraftSource, Proposal, Verdict
 from common.sampling import SamplingParams, SparseDistribution
 from common.grpc_options import CHANNEL_OPTIONS
 from common.tls import TlsFiles, channel_credentials
+from common.timing import elapsed_us
 from coordinator.addresses import parse_addresses
 from coordinator.config import PoolSettings
 from coordinator.pool import Health, Member, WorkerPool, identity
@@ -75,6 +77,7 @@ class StreamSession:
         # What the session's output depends on (see pool.identity): a reopened session keeps it.
         self.identity = identity(member.info) if member is not None and member.info is not None else None
         self.prefill_us = 0
+        self.opening_overhead_us = 0  # the opening's round trip beyond the worker's work and waiting (its transport)
         self.interrupted = False  # an exchange was cancelled between its write and its read
         if member is not None:
             member.acquire()
@@ -144,8 +147,11 @@ class GrpcTargetSession(StreamSession):
         start = target_pb2.VerifySessionStart(
             prompt_token_ids=prompt, sampling=sampling_to_proto(params), num_p_entries=num_p_entries, max_tokens=max_tokens
         )
+        sent = time.perf_counter()
         response, _, _ = await self.exchange(target_pb2.VerifyRequest(start=start), parent)
-        self.prefill_us = response.started.timing.compute_us
+        timing = response.started.timing
+        self.prefill_us = timing.compute_us
+        self.opening_overhead_us = max(0, elapsed_us(sent) - timing.compute_us - timing.queue_us)
         return self
 
     async def verify(

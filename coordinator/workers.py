@@ -55,6 +55,7 @@ class DraftSession(Protocol):
 
 class TargetSession(Protocol):
     prefill_us: int
+    opening_overhead_us: int  # the opening's round trip beyond the worker's work and waiting
 
     async def verify(
         self, draft_tokens: list[int], draft_dists: list[SparseDistribution], parent: Context | None = None

@@ -88,6 +88,7 @@ class SessionOpened:
     session_id: str
     cached_tokens: int
     compute_us: int
+    queue_us: int = 0  # waiting in the worker beside its passes (for a batch, for the other chunks' turns)
 
 
 class TargetEngine:
@@ -239,7 +240,8 @@ class TargetEngine:
             return CONTINUE  # chunks of its prompt still to run
         if not self.sessions.add(call.session.session_id, call.session):
             return FailedPrecondition("the opening was abandoned")
-        return SessionOpened(call.session.session_id, sequence.cache_len, call.compute_us)
+        in_worker_us = int((time.monotonic() - call.queued_at) * 1e6) if call.queued_at else call.compute_us
+        return SessionOpened(call.session.session_id, sequence.cache_len, call.compute_us, max(0, in_worker_us - call.compute_us))
 
     def verified(
         self, call: VerifyCall, logits: torch.Tensor, span, forward_us: int, batch_size: int, batch_tokens: int

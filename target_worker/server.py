@@ -27,7 +27,9 @@ class TargetServicer(SessionStreamServicer):
             self.engine.abandon(session)
             raise
         started = worker_pb2.SessionStarted(
-            session_id=opened.session_id, cached_tokens=opened.cached_tokens, timing=timing_to_proto(opened.compute_us)
+            session_id=opened.session_id,
+            cached_tokens=opened.cached_tokens,
+            timing=timing_to_proto(opened.compute_us, queue_us=opened.queue_us),
         )
         return session, target_pb2.VerifyResponse(started=started)
 

@@ -2,10 +2,12 @@
 no session's output depends on what it was batched with."""
 
 import asyncio
+import time
 
 import pytest
 import torch
 
+from common.batcher import CONTINUE
 from common.batched_forward import GrowableLayer, forward_sessions, session_cache
 from common.errors import InvalidArgument, ResourceExhausted
 from common.models import load_model
@@ -152,6 +154,18 @@ def test_an_opening_session_is_prefilled_in_the_same_pass_as_the_others_rounds(t
     alone = engine.open_session(PROMPTS[3], greedy)[0]
     first = engine.verify(opening, [], [])
     assert first.next_token == engine.verify(alone, [], []).next_token
+
+
+def test_an_opening_reports_its_wait_in_the_worker_apart_from_its_prefill(target_model):
+    """What the opening waited for (a batch, the passes between its chunks) is reported as queue_us, so that the
+    coordinator's first guess of a round's transport (the round trip less both) does not count it."""
+    engine = TargetEngine(target_model, calibrate=False, max_prefill_tokens=8)
+    opening = PrefillCall(engine.begin_session(PROMPTS[3], SamplingParams(temperature=0)))
+    opening.queued_at = time.monotonic() - 0.2  # as the batcher sets it: it arrived 200 ms ago
+    while (opened := engine.run_batch([opening])[0]) is CONTINUE:  # 24 tokens in chunks of 8
+        pass
+    assert opened.compute_us == opening.compute_us > 0
+    assert 200_000 <= opened.queue_us < 200_000 + 1e6 * (time.monotonic() - opening.queued_at - 0.2) + 1
 
 
 def test_an_abandoned_opening_frees_its_reservation(target_model):

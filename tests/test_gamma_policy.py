@@ -251,17 +251,19 @@ def test_the_sessions_of_one_pass_move_the_shared_scales_as_one_measurement():
 
 def test_a_new_request_starts_from_the_round_overhead_the_deployment_measured(target_model):
     """Not from its opening's round trip, which under load includes waiting behind other sessions' passes (hundreds
-    of ms, which made drafting look nearly free for a request's first rounds)."""
+    of ms, which made drafting look nearly free for a request's first rounds); the opening's transport is the first
+    guess only while the deployment has measured nothing."""
 
     async def run():
         workers = InProcessWorkers(TargetEngine(target_model, calibrate=True), draft_engine_for(None, "ngram"))
         engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target_model.tokenizer)
         params = GenerationParams(list(range(40, 60)), SamplingParams(temperature=0), 8, -1)
         assert gamma_policy_for(engine, params).overhead_ms is None
+        assert gamma_policy_for(engine, params, opening_overhead_ms=2.5).overhead_ms == 2.5  # nothing measured yet
         await engine.generate_all(params)
         measured = engine.measured_speed.round_overhead.value
         assert measured is not None and measured < 50
-        policy = gamma_policy_for(engine, params)
+        policy = gamma_policy_for(engine, params, opening_overhead_ms=2.5)
         assert policy.overhead_ms == measured and policy.shared_overhead is engine.measured_speed.round_overhead
 
     asyncio.run(run())

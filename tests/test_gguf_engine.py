@@ -88,33 +88,33 @@ def test_kernel_matches_a_float64_reference_of_the_dequantised_weights(spec, nam
 
 def test_the_kernels_compute_without_holding_the_gil():
     """A worker's event loop reads and answers its streams while its compute thread runs a pass: the kernels release
-    the GIL. Held, this loop stopped for most of the product (15-20 ms of a 24-32 ms one, measured)."""
+    the GIL. This thread sleeps while a product runs on another; holding the GIL, the product kept it from waking
+    until the product returned."""
     weight, _, _ = packed_slice(SMOLLM2, "blk.0.ffn_up.weight")
     layer = QuantizedLinear(weight)
-    x = torch.randn(4096, weight.in_features)
+    x = torch.randn(16384, weight.in_features)  # a product of 100-200 ms on 2 cores
 
-    def longest_stop_during_a_product() -> tuple[float, float]:
-        stamps, seconds = [], []
-        go, done = threading.Event(), threading.Event()
+    def woke_during_a_product() -> bool:
+        span = []
+        go = threading.Event()
 
         def compute():
-            go.wait()  # until the loop below runs: the product must start while it does
+            go.wait()
             started = time.perf_counter()
             layer.product(x)
-            seconds.append(time.perf_counter() - started)
-            done.set()
+            span.extend([started, time.perf_counter()])
 
         thread = threading.Thread(target=compute)
         thread.start()
         go.set()
-        while not done.is_set():
-            stamps.append(time.perf_counter())
+        time.sleep(0.02)  # the product starts meanwhile (this thread has let go of the GIL)
+        woke = time.perf_counter()
         thread.join()
-        return max(b - a for a, b in zip(stamps, stamps[1:], strict=False)), seconds[0]
+        started, ended = span
+        return started < woke < ended - 0.001
 
-    # The best of three: the scheduler may stop this thread for a moment on 2 busy cores, the GIL stops it every time.
-    tries = [longest_stop_during_a_product() for _ in range(3)]
-    assert min(stop / product for stop, product in tries) < 0.25, tries
+    # A few tries: on 2 busy cores the product may start after this thread wakes; the GIL stops it every time.
+    assert any(woke_during_a_product() for _ in range(5))
 
 
 @contextlib.contextmanager
