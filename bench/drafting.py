@@ -16,7 +16,7 @@ round, what proposed the drafting rounds, and whether every output equals target
 The concurrency sweep: 1, 2, 4, 8, 16 clients sending at once (the bench's prompts in turn, 48 tokens each, as the
 performance suite's sweep), target-only against auto gamma with the model-free drafts on a draft worker and run
 in the coordinator (`--local-draft`, no exchange per round): aggregate tokens/s at each level against
-target-only's.
+target-only's, in several passes with the systems' order rotated, reported as medians.
 """
 
 import json
