@@ -1,8 +1,8 @@
 """Workers over gRPC: each session is one bidirectional stream (DraftService.Draft, TargetService.Verify)."""
 
 import asyncio
-import time
 import functools
+import time
 from collections.abc import Callable
 
 import grpc
