@@ -620,12 +620,12 @@ def learn(policy, result: RoundResult) -> None:
     """What the gamma policy learns from a round: the draft's speed, acceptance, and the target's batch."""
     verdict = result.verdict
     if result.exposed is not None:
-        policy.observe_draft(len(result.exposed.token_ids), result.exposed.compute_us)
+        policy.observe_draft(len(result.exposed.token_ids), result.exposed.compute_us, result.exposed.batch_size)
     policy.observe(
         result.drafted, verdict.num_accepted, result.drafted + 1, verdict.compute_us, verdict.batch_size, verdict.batch_tokens
     )
     if result.pre is not None:
-        policy.observe_draft(len(result.pre.token_ids) + 1, result.pre.compute_us)
+        policy.observe_draft(len(result.pre.token_ids) + 1, result.pre.compute_us, result.pre.batch_size)
 
 
 def exchange_costs(result: RoundResult, stats: RoundStats) -> tuple[int, int | None]:

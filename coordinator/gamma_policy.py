@@ -240,14 +240,16 @@ class CostModelPolicy:
         predicted = self.target_ms(rows)
         # The scales are shared by the requests of a coordinator, and every session of a batch reports the same
         # pass: each counts for its share, so that a pass of 8 sessions moves them as one measurement, not as 8
-        # (which left them at the last pass's noise, and the choice between row counts with it).
+        # (which left them at the last pass's noise, and the choice between row counts with it). Sessions that do
+        # not report here (openings, fixed-gamma requests, another coordinator's) make a pass count for less.
         share = 1 / max(batch_size, 1)
         self.target_scale.update(verify_us / 1e3, predicted, share)
         self.row_scales.setdefault(rows, Scale(self.target_scale.value)).update(verify_us / 1e3, predicted, share)
 
-    def observe_draft(self, drafted: int, compute_us: int) -> None:
+    def observe_draft(self, drafted: int, compute_us: int, batch_size: int = 1) -> None:
+        """batch_size: sessions of the draft's pass, which all report it (see observe)."""
         if drafted and self.draft_costs:
-            self.draft_scale.update(compute_us / 1e3, drafted * cost_at(self.draft_costs, 1))
+            self.draft_scale.update(compute_us / 1e3, drafted * cost_at(self.draft_costs, 1), 1 / max(batch_size, 1))
 
     def observe_overhead(self, overhead_us: int, draft_exchange_us: int | None = None) -> None:
         """overhead_us: what every round pays beyond the target's work; draft_exchange_us: what this round's
@@ -274,7 +276,7 @@ class FixedPolicy:
     ) -> None:
         pass
 
-    def observe_draft(self, drafted: int, compute_us: int) -> None:
+    def observe_draft(self, drafted: int, compute_us: int, batch_size: int = 1) -> None:
         pass
 
     def observe_overhead(self, overhead_us: int, draft_exchange_us: int | None = None) -> None:

@@ -78,6 +78,9 @@ class StreamSession:
         self.identity = identity(member.info) if member is not None and member.info is not None else None
         self.prefill_us = 0
         self.opening_overhead_us = 0  # the opening's round trip beyond the worker's work and waiting (its transport)
+        # A stream to a member not known to be usable waits for the worker to be ready: its opening's round trip then
+        # holds the reconnection too, and says nothing of the transport.
+        self.waited_for_ready = member is not None and not member.usable
         self.interrupted = False  # an exchange was cancelled between its write and its read
         if member is not None:
             member.acquire()
@@ -151,7 +154,8 @@ class GrpcTargetSession(StreamSession):
         response, _, _ = await self.exchange(target_pb2.VerifyRequest(start=start), parent)
         timing = response.started.timing
         self.prefill_us = timing.compute_us
-        self.opening_overhead_us = max(0, elapsed_us(sent) - timing.compute_us - timing.queue_us)
+        if not self.waited_for_ready:
+            self.opening_overhead_us = max(0, elapsed_us(sent) - timing.compute_us - timing.queue_us)
         return self
 
     async def verify(
