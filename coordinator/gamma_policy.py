@@ -66,6 +66,15 @@ class AcceptanceEstimate(DecayedRate):
             self.update(0, 0, self.idle_decay)
 
 
+def decayed_mean(mean: float | None, value: float, weight: float = 1.0) -> float:
+    """An exponentially weighted mean moved towards value by a measurement counting as `weight` measurements
+    (SCALE_DECAY kept per measurement); value itself where there is no mean yet."""
+    if mean is None:
+        return value
+    keep = SCALE_DECAY**weight
+    return keep * mean + (1 - keep) * value
+
+
 @dataclass
 class Scale:
     """Measured over predicted time: follows a worker that is slower (or faster) than when it was calibrated."""
@@ -76,8 +85,7 @@ class Scale:
         """weight: how many measurements this one counts as (the sessions of one pass share it, see
         CostModelPolicy.observe)."""
         if predicted_ms > 0 and measured_ms > 0:
-            keep = SCALE_DECAY**weight
-            self.value = keep * self.value + (1 - keep) * measured_ms / predicted_ms
+            self.value = decayed_mean(self.value, measured_ms / predicted_ms, weight)
 
 
 @dataclass
@@ -87,8 +95,7 @@ class RunningMean:
     value: float | None = None
 
     def update(self, ms: float, weight: float = 1.0) -> None:
-        keep = SCALE_DECAY**weight
-        self.value = ms if self.value is None else keep * self.value + (1 - keep) * ms
+        self.value = decayed_mean(self.value, ms, weight)
 
 
 def deployment_acceptance() -> AcceptanceEstimate:
@@ -255,7 +262,7 @@ class CostModelPolicy:
         """overhead_us: what every round pays beyond the target's work; draft_exchange_us: what this round's
         draft exchange cost beyond drafting (None: the round did not ask the draft)."""
         ms = overhead_us / 1e3
-        self.overhead_ms = ms if self.overhead_ms is None else SCALE_DECAY * self.overhead_ms + (1 - SCALE_DECAY) * ms
+        self.overhead_ms = decayed_mean(self.overhead_ms, ms)
         if self.shared_overhead is not None:
             self.shared_overhead.update(ms, 1 / (1 + self.other_sessions))
         if draft_exchange_us is not None:
