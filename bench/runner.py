@@ -147,6 +147,7 @@ def grpc_run(
                 "total_us",
                 "draft_overlapped_us",
                 "queue_us",
+                "verify_ahead_us",
             )
         },
         [(r.drafted, r.accepted) for r in response.rounds],

@@ -32,7 +32,10 @@ class ModelRunner(ABC):
     # runner that is not runs each session in a pass of its own (see forward), and is never padded.
     batch_invariant: bool = True
     # Whether every row count runs the same kernels (rows share only the loading of the weights, each adds its
-    # own products): a pass over more rows then never costs less, and a new row count needs no warm-up.
+    # own products): a pass over more rows then never costs less, a new row count needs no warm-up, and a row's
+    # logits are bit for bit the same in a pass of any row count (so a round's first row may be scored in a pass
+    # of its own: decode ahead). torch's products pick their kernels by the row count: its rows differ in the last
+    # bits between a 1-row and a 4-row pass.
     fixed_kernels: bool = False
 
     def __init__(self, model: torch.nn.Module):

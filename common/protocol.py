@@ -42,10 +42,15 @@ def distribution_from_proto(msg: worker_pb2.SparseDistribution) -> SparseDistrib
 
 
 def timing_to_proto(
-    compute_us: int, sync_us: int = 0, batch_size: int = 1, batch_tokens: int = 0, queue_us: int = 0
+    compute_us: int, sync_us: int = 0, batch_size: int = 1, batch_tokens: int = 0, queue_us: int = 0, ahead_us: int = 0
 ) -> worker_pb2.WorkerTiming:
     return worker_pb2.WorkerTiming(
-        compute_us=compute_us, sync_us=sync_us, batch_size=batch_size, batch_tokens=batch_tokens, queue_us=queue_us
+        compute_us=compute_us,
+        sync_us=sync_us,
+        batch_size=batch_size,
+        batch_tokens=batch_tokens,
+        queue_us=queue_us,
+        ahead_us=ahead_us,
     )
 
 

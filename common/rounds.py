@@ -56,3 +56,4 @@ class Verdict:
     batch_tokens: int = 0  # tokens fed in that pass, over all its sessions
     queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it
     handling_us: int = 0  # the worker's whole handling of the message (0: not measured, in process)
+    ahead_us: int = 0  # of compute_us, scoring done ahead, before the message arrived (hidden behind the exchange)

@@ -38,6 +38,11 @@ class CoordinatorConfig:
         False,
         "by default, draft round n+1 while the target verifies round n (pays when the workers run on separate devices or cores)",
     )
+    decode_ahead: bool = setting(
+        True,
+        "where the next round is not expected to draft, the target scores its first token as soon as it is known, "
+        "while the verdict and the next step are on the wire (a target that reports decodes_ahead)",
+    )
 
     def __post_init__(self):
         # The workers refuse a step beyond the protocol's limits: a coordinator that would send one fails at start.

@@ -421,14 +421,14 @@ class RequestWorkers(RoundWorkers):
             self.fall_back("draft_failed", error)
         return None
 
-    async def verify(self, proposal: Proposal | None, parent: Context):
+    async def verify(self, proposal: Proposal | None, parent: Context, decode_ahead: bool = False):
         """The target's verdict; a failed target session is reopened and the same proposal verified again."""
         drafted = proposal.token_ids if proposal else []
         dists = proposal.distributions if proposal else []
         while True:
             try:
                 async with asyncio.timeout(self.config.target_timeout):
-                    return await self.target.verify(drafted, dists, parent)
+                    return await self.target.verify(drafted, dists, parent, decode_ahead)
             except (TimeoutError, Unavailable) as error:
                 await self.reopen_target(error, parent)
 
@@ -490,6 +490,7 @@ class RequestRun:
         self.policy = None
         self.speculating = self.overlap = self.behind_only = False
         self.sync, self.ready = DraftSync(), None  # what the draft has not heard of; a proposal drafted last round
+        self.scored_ahead = False  # the round under way asked the target to score the next one's first token
 
     async def events(self):
         """Yields a Delta for each round that commits output, then the GenerationResult."""
@@ -499,11 +500,21 @@ class RequestRun:
             round_start = time.perf_counter()
             while not self.output.finished:
                 raise_if_cancelled()
-                gamma = await self.prepare_round()
+                planned = await self.prepare_round()
+                # A round whose first token the target scored ahead drafts nothing: its drafted tokens would run in
+                # a pass of their own after that one. It only stops the run ahead; the next round drafts.
+                gamma = 0 if self.scored_ahead else planned
+                self.scored_ahead = self.decodes_ahead_after(planned)
                 round_span = tracer().start_span("speculate", context=self.root_context, attributes={"specdec.gamma": gamma})
                 try:
                     result = await speculation_round(
-                        self.workers, self.sync, gamma, self.ready, self.pre_draft_gamma, phases_under(round_span)
+                        self.workers,
+                        self.sync,
+                        gamma,
+                        self.ready,
+                        self.pre_draft_gamma,
+                        phases_under(round_span),
+                        self.scored_ahead,
                     )
                     delta = self.commit(result)
                     if delta is not None:
@@ -543,6 +554,20 @@ class RequestRun:
         if not self.workers.has_draft or self.behind_only or self.ready is not None:
             return 0
         return self.policy.choose(room)
+
+    def decodes_ahead_after(self, gamma: int) -> bool:
+        """Whether the target scores the next round's first token as soon as this round's verdict gives it
+        (VerifyStep.decode_ahead): where the gamma policy drafts nothing now (nor was anything drafted for this
+        round), so that the next round is expected not to draft either, and one is to come. Not with overlap,
+        whose pre-drafts run behind rounds that draft nothing."""
+        return (
+            self.engine.config.decode_ahead
+            and self.engine.target.decodes_ahead
+            and gamma == 0
+            and self.ready is None
+            and not self.overlap
+            and self.output.remaining > 1
+        )
 
     def pre_draft_gamma(self, drafted: int) -> int:
         """Overlap: how many tokens to pre-draft behind the verification of a round that drafted `drafted`."""

@@ -2,7 +2,7 @@
 
 from specdec.v1 import generation_pb2
 
-COLUMNS = ["draft", "verify", "sync", "queue", "network", "coord", "total", "hidden draft"]
+COLUMNS = ["draft", "verify", "sync", "queue", "network", "coord", "total", "hidden draft", "hidden verify"]
 
 
 def ms(us: int) -> str:
@@ -19,6 +19,7 @@ def split_cells(split: generation_pb2.TimeSplit) -> list[str]:
         ms(split.coordinator_us),
         ms(split.total_us),
         ms(split.draft_overlapped_us),
+        ms(split.verify_ahead_us),
     ]
 
 

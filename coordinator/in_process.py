@@ -26,8 +26,13 @@ class InProcessTargetSession:
         self.opening_overhead_us = 0  # no transport
 
     async def verify(
-        self, draft_tokens: list[int], draft_dists: list[SparseDistribution], parent: Context | None = None
+        self,
+        draft_tokens: list[int],
+        draft_dists: list[SparseDistribution],
+        parent: Context | None = None,
+        decode_ahead: bool = False,
     ) -> Verdict:
+        # decode_ahead is not taken: in process there is no exchange for a pass to hide behind.
         return call_in_context(parent, self.engine.verify, self.session, draft_tokens, draft_dists)
 
     async def close(self) -> None:

@@ -25,8 +25,9 @@ class RoundWorkers(Protocol):
     ) -> Proposal | None:
         """The draft's proposal of g tokens after applying the sync, or None when the draft failed."""
 
-    async def verify(self, proposal: Proposal | None, parent: Context | None) -> Verdict:
-        """The target's verdict on the proposal (None: the target decodes one token alone)."""
+    async def verify(self, proposal: Proposal | None, parent: Context | None, decode_ahead: bool = False) -> Verdict:
+        """The target's verdict on the proposal (None: the target decodes one token alone); decode_ahead: the
+        target then scores the verdict's next token at once, for a next round expected not to draft."""
 
     @property
     def has_draft(self) -> bool:
@@ -103,12 +104,15 @@ async def speculation_round(
     ready: Proposal | None = None,
     next_gamma: Callable[[int], int] = lambda drafted: 0,
     phase: Phase = untraced,
+    decode_ahead: bool = False,
 ) -> RoundResult:
     """One round: draft gamma tokens (or take `ready`, drafted during the previous round), verify them in one target
     pass, and record what the draft must hear of next round.
 
     next_gamma(drafted): overlap; tokens to pre-draft for the next round while the target verifies this one,
     assuming it accepts every drafted token (0: none).
+    decode_ahead: the next round is not expected to draft; the target scores its first row at once (not with a
+    pre-draft, whose proposal the next round would verify).
     """
     t0 = time.perf_counter()
     proposal = exposed = ready
@@ -123,7 +127,7 @@ async def speculation_round(
     pre_task = asyncio.ensure_future(pre_draft(workers, sync, g_next, phase)) if g_next > 0 else None
     try:
         with phase("verify", gamma, False) as parent:
-            verdict = await workers.verify(proposal, parent)
+            verdict = await workers.verify(proposal, parent, decode_ahead and pre_task is None)
     except BaseException:
         if pre_task is not None:
             pre_task.cancel()
@@ -180,11 +184,13 @@ def round_stats(result: RoundResult, wall_us: int) -> RoundStats:
 
 
 def handling(message: Proposal | Verdict | None) -> tuple[int, int]:
-    """(work, handling): what a worker reported doing for a message, and its whole handling of it (in process,
-    where nothing is measured around the work, the two are the same)."""
+    """(work, handling): what a worker reported doing for a message once it had it (not what it scored ahead of
+    it), and its whole handling of it (in process, where nothing is measured around the work, the two are the
+    same)."""
     if message is None:
         return 0, 0
-    work = message.compute_us + message.sync_us + message.queue_us
+    ahead = message.ahead_us if isinstance(message, Verdict) else 0
+    work = message.compute_us - ahead + message.sync_us + message.queue_us
     return work, max(work, message.handling_us)
 
 
@@ -192,7 +198,9 @@ def round_split(result: RoundResult, wall_us: int) -> TimeSplit:
     """A round's wall time by where it went: the workers' compute, sync, queueing and handling as they reported
     them; the rest of each round trip is transport, the rest of the round the coordinator's.
 
-    The pre-draft (overlap) ran during verification: its work counts as hidden except for what ran past it.
+    The pre-draft (overlap) ran during verification: its work counts as hidden except for what ran past it. The
+    target's scoring ahead ran before the round's step arrived (behind the previous verdict's and this step's
+    transport): hidden too.
     """
     exposed, pre, verdict = result.exposed, result.pre, result.verdict
     draft_work, draft_handling = handling(exposed)
@@ -203,7 +211,7 @@ def round_split(result: RoundResult, wall_us: int) -> TimeSplit:
     pre_exposed = min(pre_work, past_verify_us)
     return TimeSplit(
         draft_us=(exposed.compute_us if exposed else 0) + pre_exposed,
-        verify_us=verdict.compute_us,
+        verify_us=verdict.compute_us - verdict.ahead_us,
         sync_us=(exposed.sync_us if exposed else 0) + verdict.sync_us,
         queue_us=(exposed.queue_us if exposed else 0) + verdict.queue_us,
         handling_us=(draft_handling - draft_work) + (verify_handling - verify_work),
@@ -214,6 +222,7 @@ def round_split(result: RoundResult, wall_us: int) -> TimeSplit:
         coordinator_us=max(0, wall_us - result.draft_rtt_us - concurrent_us),
         total_us=wall_us,
         draft_overlapped_us=pre_work - pre_exposed,
+        verify_ahead_us=verdict.ahead_us,
     )
 
 

@@ -29,7 +29,8 @@ class GenerationParams:
 
 @dataclass
 class TimeSplit:
-    """Where time went, in microseconds; the parts (all but total_us and draft_overlapped_us) add up to total_us."""
+    """Where time went, in microseconds; the parts (all but total_us and the two hidden ones, draft_overlapped_us and
+    verify_ahead_us) add up to total_us."""
 
     prefill_us: int = 0
     draft_us: int = 0
@@ -41,6 +42,7 @@ class TimeSplit:
     draft_overlapped_us: int = 0  # drafting hidden behind verification; not part of total_us
     queue_us: int = 0  # waiting on the workers for a batch to form or for the pass before it
     handling_us: int = 0  # the workers' own overhead: handling a message beyond its queue, compute and sync
+    verify_ahead_us: int = 0  # the target's scoring ahead of its rounds, behind their exchange; not part of total_us
 
     def add(self, other: "TimeSplit") -> None:
         for f in fields(self):

@@ -159,9 +159,15 @@ class GrpcTargetSession(StreamSession):
         return self
 
     async def verify(
-        self, draft_tokens: list[int], draft_dists: list[SparseDistribution], parent: Context | None = None
+        self,
+        draft_tokens: list[int],
+        draft_dists: list[SparseDistribution],
+        parent: Context | None = None,
+        decode_ahead: bool = False,
     ) -> Verdict:
-        step = target_pb2.VerifyStep(draft_token_ids=draft_tokens, draft_distributions=[wire_form(d) for d in draft_dists])
+        step = target_pb2.VerifyStep(
+            draft_token_ids=draft_tokens, draft_distributions=[wire_form(d) for d in draft_dists], decode_ahead=decode_ahead
+        )
         response, sent, received = await self.exchange(target_pb2.VerifyRequest(step=step), parent)
         result = response.result
         return Verdict(
@@ -178,6 +184,7 @@ class GrpcTargetSession(StreamSession):
             batch_tokens=result.timing.batch_tokens,
             queue_us=result.timing.queue_us,
             handling_us=result.timing.handling_us,
+            ahead_us=result.timing.ahead_us,
         )
 
 

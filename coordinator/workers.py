@@ -36,6 +36,7 @@ class WorkerInfo:
     engine: str = ""  # "gguf" or "torch" (see worker.proto)
     max_kv_tokens: int = 0  # the KV-token budget of all its sessions (see worker.proto)
     reserved_kv_tokens: int = 0
+    decodes_ahead: bool = False  # a target that takes decode_ahead (see worker.proto)
 
 
 class DraftSession(Protocol):
@@ -58,8 +59,13 @@ class TargetSession(Protocol):
     opening_overhead_us: int  # the opening's round trip beyond the worker's work and waiting
 
     async def verify(
-        self, draft_tokens: list[int], draft_dists: list[SparseDistribution], parent: Context | None = None
-    ) -> Verdict: ...
+        self,
+        draft_tokens: list[int],
+        draft_dists: list[SparseDistribution],
+        parent: Context | None = None,
+        decode_ahead: bool = False,
+    ) -> Verdict:
+        """The target's verdict; decode_ahead: it then scores the next token at once (VerifyStep.decode_ahead)."""
 
     async def close(self) -> None: ...
 

@@ -2,7 +2,9 @@
 
 The rounds of all sessions that are ready, and the prompts of opening ones, run as one batched forward pass
 (run_batch); each session's verdict depends only on its own tokens and random stream, never on what it was
-batched with. The engine knows nothing of gRPC; target_worker.server translates protobuf to calls on it.
+batched with. A session may also have its next token scored ahead of its round (AheadCall, docs/design/
+decode_ahead.md): the pass then runs while the verdict that produced the token is on the wire. The engine knows
+nothing of gRPC; target_worker.server translates protobuf to calls on it.
 """
 
 import time
@@ -18,6 +20,7 @@ from common.cached_sequence import CachedSequence, forward_batch
 from common.config import WorkerConfig
 from common.cost_curve import cheapest_rows
 from common.memory import kv_token_budget
+from common.model_runner import ModelRunner
 from common.errors import FailedPrecondition, InvalidArgument
 from common.loaded_model import LoadedModel
 from common.protocol import model_info, worker_info
@@ -44,6 +47,12 @@ from common.validation import (
 )
 
 
+def runs_ahead(runner: ModelRunner) -> bool:
+    """Whether a runner's rows are the same in any pass, alone or beside others: it may score a round's first row
+    ahead of the round."""
+    return runner.batch_invariant and runner.fixed_kernels
+
+
 @dataclass
 class TargetSession:
     session_id: str
@@ -52,6 +61,14 @@ class TargetSession:
     generator: torch.Generator
     num_p_entries: int
     last_active: float = field(default_factory=time.monotonic)
+    ahead: "Ahead | None" = None  # its pending token, scored before its round arrived
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Its next round's first row may be scored in a pass of its own: the same numbers as in the round's own
+        pass only where a row's logits depend neither on the rows beside it nor on their count (what GetInfo's
+        decodes_ahead says)."""
+        return runs_ahead(self.sequence.runner)
 
     @property
     def argmax_verdict(self) -> bool:
@@ -72,6 +89,27 @@ class VerifyCall:
 
 
 @dataclass
+class AheadCall:
+    """A session's pending token fed before its next round arrives (decode ahead): the pass scores the row the
+    round would score first, and the round then feeds only its drafted tokens, or nothing at all."""
+
+    session: TargetSession
+    parent: Context | None = None
+    queued_at: float = 0.0  # set by the batcher
+    queue_us: int = 0
+
+
+@dataclass
+class Ahead:
+    """A pending token scored ahead: the logits of the position after it, and the figures of the pass."""
+
+    logits: torch.Tensor  # [1, V]
+    compute_us: int
+    batch_size: int
+    batch_tokens: int
+
+
+@dataclass
 class PrefillCall:
     """An opening session's prompt, prefilled in a batch with the other sessions' rounds: in chunks, a pass at a
     time, when it is longer than the engine's max_prefill_tokens (the call then goes into several batches)."""
@@ -81,6 +119,9 @@ class PrefillCall:
     queued_at: float = 0.0  # set by the batcher
     queue_us: int = 0
     compute_us: int = 0  # of its chunks so far
+
+
+Call = VerifyCall | AheadCall | PrefillCall
 
 
 @dataclass
@@ -165,15 +206,29 @@ class TargetEngine:
                 "step.draft_token_ids", f"the sequence would exceed the session's {limit} tokens (start.max_tokens, the context)"
             )
 
+    @staticmethod
+    def check_decode_ahead(session: TargetSession) -> None:
+        if not session.can_run_ahead:
+            raise InvalidArgument(
+                "step.decode_ahead",
+                "this target's runner scores a row differently in passes of different row counts: a row scored ahead "
+                "would differ from the same row scored in the round's pass",
+            )
+
     def verify(self, session: TargetSession, draft_tokens: list[int], draft_dists: list[DraftQ]) -> Verdict:
         """One session's round on its own (a batch of one)."""
         return run_alone(self.run_batch, VerifyCall(session, draft_tokens, draft_dists))
 
-    def run_batch(self, calls: list["VerifyCall | PrefillCall"]) -> list[Verdict | SessionOpened | Exception]:
+    def score_ahead(self, session: TargetSession) -> Ahead:
+        """One session's pending token scored ahead of its round, on its own (a batch of one)."""
+        return run_alone(self.run_batch, AheadCall(session))
+
+    def run_batch(self, calls: list[Call]) -> list[Verdict | SessionOpened | Ahead | Exception]:
         """One forward pass for every call: the rounds of open sessions ([pending, x1..xg] each, then the acceptance
-        test and the rollback of what it rejected) and the prompts of opening sessions (prefilled in the same pass:
-        the weights are streamed once for all of them). A call that fails its checks gets its error; the others
-        still run."""
+        test and the rollback of what it rejected), the pending tokens of sessions deciding ahead, and the prompts
+        of opening sessions (prefilled in the same pass: the weights are streamed once for all of them). A call that
+        fails its checks gets its error; the others still run. A round whose every row was scored ahead needs no
+        pass: its verdict is decided at once."""
         results: list = [None] * len(calls)
         ready = self.checked(calls, results)
         if not ready:
@@ -189,41 +244,50 @@ class TargetEngine:
             for span in spans:
                 span.end()
             raise
-        forward_us = elapsed_us(start)
+        forward_us = elapsed_us(start) if fed else 0
         rows = dict(zip(fed, logits, strict=False))
         for i, span in zip(ready, spans, strict=True):
             call = calls[i]
             if isinstance(call, PrefillCall):
                 span.end()
                 results[i] = self.prefilled(call, forward_us)
+            elif isinstance(call, AheadCall):
+                span.end()
+                call.session.ahead = Ahead(rows[i].clone(), forward_us, len(ready), batch_tokens)
+                results[i] = call.session.ahead
             else:
-                results[i] = self.verified(call, rows[i], span, forward_us, len(ready), batch_tokens)
-        self.metrics.record_forward("verify", elapsed_us(start) / 1e6)
+                results[i] = self.verified(call, rows.get(i), span, forward_us, len(ready), batch_tokens)
+        if fed:
+            self.metrics.record_forward("verify", elapsed_us(start) / 1e6)
         return results
 
-    def checked(self, calls: list["VerifyCall | PrefillCall"], results: list) -> list[int]:
+    def checked(self, calls: list[Call], results: list) -> list[int]:
         """The indices of the calls that pass their checks; each other call's error goes into results."""
         ready = []
         for i, call in enumerate(calls):
             try:
+                if not isinstance(call, PrefillCall) and call.session.session_id not in self.sessions.sessions:
+                    raise FailedPrecondition("the session is closed")
                 if isinstance(call, VerifyCall):
-                    if call.session.session_id not in self.sessions.sessions:
-                        raise FailedPrecondition("the session is closed")
                     self.check_step(call.session, call.draft_tokens, call.draft_dists)
+                elif isinstance(call, AheadCall):
+                    self.check_decode_ahead(call.session)
+                    if call.session.ahead is not None or len(call.session.sequence.pending()) != 1:
+                        raise FailedPrecondition("decode ahead needs one pending token not yet scored")
                 ready.append(i)
             except Exception as error:  # noqa: BLE001 - one bad message fails its own stream only
                 results[i] = error
         return ready
 
     def batch_of(
-        self, calls: list["VerifyCall | PrefillCall"], ready: list[int], feeds: list[list[int]], batch_tokens: int
+        self, calls: list[Call], ready: list[int], feeds: list[list[int]], batch_tokens: int
     ) -> tuple[list[int], tuple[list[CachedSequence], list[list[int]], list[int]]]:
         """The pass's input: the indices of the calls that feed tokens, and forward_batch's arguments (sequences,
         their tokens, the logits rows to keep), padded to the cheapest row count."""
         fed = [(i, f) for i, f in zip(ready, feeds, strict=True) if f]  # a one-token prompt has nothing to prefill
         sequences = [calls[i].session.sequence for i, _ in fed]
         feeds = [f for _, f in fed]
-        keep = [len(calls[i].draft_tokens) + 1 if isinstance(calls[i], VerifyCall) else 1 for i, _ in fed]
+        keep = [len(f) if isinstance(calls[i], VerifyCall) else 1 for i, f in fed]  # a round: a row per token fed
         padding = self.padding(batch_tokens)
         if padding and fed:
             # More rows are cheaper than these on this device: pad with a throwaway sequence of its own.
@@ -244,21 +308,29 @@ class TargetEngine:
         return SessionOpened(call.session.session_id, sequence.cache_len, call.compute_us, max(0, in_worker_us - call.compute_us))
 
     def verified(
-        self, call: VerifyCall, logits: torch.Tensor, span, forward_us: int, batch_size: int, batch_tokens: int
+        self, call: VerifyCall, logits: torch.Tensor | None, span, forward_us: int, batch_size: int, batch_tokens: int
     ) -> Verdict | Exception:
-        """A round's verdict on the rows this pass scored for it, with the pass's figures."""
+        """A round's verdict on the rows scored for it (its first one ahead, the rest by this pass, if any), with
+        the passes' figures: a round scored wholly ahead reports the pass that scored it."""
+        ahead, call.session.ahead = call.session.ahead, None
+        if ahead is not None:
+            logits = ahead.logits if logits is None else torch.cat([ahead.logits, logits])
+            if forward_us == 0:
+                batch_size, batch_tokens = ahead.batch_size, ahead.batch_tokens
         try:
             verdict = self.decide(call, logits, span)
         except Exception as error:  # noqa: BLE001 - fails this session's stream (and frees it), not the batch
             return error
         verdict.batch_size, verdict.batch_tokens = batch_size, batch_tokens
-        verdict.compute_us += forward_us
+        verdict.compute_us += forward_us + (ahead.compute_us if ahead else 0)
+        verdict.ahead_us = ahead.compute_us if ahead else 0
         verdict.queue_us = call.queue_us
         return verdict
 
-    def feeds(self, calls: list["VerifyCall | PrefillCall"]) -> list[list[int]]:
-        """What each call feeds this pass: a round its pending and drafted tokens; a prefill the next chunk of its
-        prompt (all but the last token, which stays pending for the first round).
+    def feeds(self, calls: list[Call]) -> list[list[int]]:
+        """What each call feeds this pass: a round its pending and drafted tokens (only the drafted ones where its
+        pending token was scored ahead); a decode ahead its pending token; a prefill the next chunk of its prompt
+        (all but the last token, which stays pending for the first round).
 
         Chunked prefill, as vLLM's and TGI's: the prefills of one pass hold at most max_prefill_tokens, so that a
         long prompt delays the other sessions' rounds by one chunk's pass at most. A session's chunks are always
@@ -270,6 +342,9 @@ class TargetEngine:
             if isinstance(call, VerifyCall):
                 feeds.append(sequence.pending() + call.draft_tokens)
                 continue
+            if isinstance(call, AheadCall):
+                feeds.append(sequence.pending())
+                continue
             start = sequence.cache_len
             chunk = sequence.tokens[start : min(len(sequence.tokens) - 1, start + self.max_prefill_tokens)]
             if len(chunk) > budget:
@@ -279,8 +354,10 @@ class TargetEngine:
         return feeds
 
     @staticmethod
-    def start_span(call: "VerifyCall | PrefillCall", batch_size: int, batch_tokens: int):
+    def start_span(call: Call, batch_size: int, batch_tokens: int):
         batch = {"specdec.batch_size": batch_size, "specdec.batch_tokens": batch_tokens}
+        if isinstance(call, AheadCall):
+            return tracer().start_span("target.decode_ahead", context=call.parent, attributes=batch)
         if isinstance(call, PrefillCall):
             attributes = {"specdec.worker": "target", "specdec.prompt_tokens": len(call.session.sequence.tokens), **batch}
             return tracer().start_span("prefill", context=call.parent, attributes=attributes)
@@ -340,5 +417,5 @@ class TargetEngine:
             loaded.max_context_length,
             self.sessions,
             self.forward_costs,
-            model_info(loaded),
+            {**model_info(loaded), "decodes_ahead": runs_ahead(self.runner)},
         )

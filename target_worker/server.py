@@ -1,5 +1,8 @@
 """TargetService over gRPC: a thin servicer that turns stream messages into TargetEngine calls."""
 
+import asyncio
+import time
+
 import grpc
 
 from common.config import ServerOptions, WorkerConfig
@@ -7,14 +10,19 @@ from common.models import load_model
 from common.protocol import distribution_from_proto, distribution_to_proto, sampling_from_proto, timing_to_proto
 from common.grpc_server import start_serving
 from common.session_stream import SessionStreamServicer, serve_worker
+from common.timing import elapsed_us
 from specdec.v1 import target_pb2, worker_pb2
-from target_worker.engine import PrefillCall, TargetEngine, VerifyCall
+from target_worker.engine import AheadCall, PrefillCall, TargetEngine, VerifyCall
 
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
 
 
 class TargetServicer(SessionStreamServicer):
     role = worker_pb2.WORKER_ROLE_TARGET
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.running_ahead: dict[str, asyncio.Future] = {}  # session id -> its pending token's pass (decode ahead)
 
     async def open(self, request):
         start = request.start
@@ -36,13 +44,23 @@ class TargetServicer(SessionStreamServicer):
     async def step(self, session, request):
         step = request.step
         self.engine.check_step_size(step.draft_token_ids, step.draft_distributions)
+        if step.decode_ahead:
+            self.engine.check_decode_ahead(session)
         # A greedy verdict never reads q (p is one-hot): it is only checked, as it came off the wire.
         dists = (
             list(step.draft_distributions)
             if session.argmax_verdict
             else [distribution_from_proto(d) for d in step.draft_distributions]
         )
-        verdict = await self.batcher.submit(VerifyCall(session, list(step.draft_token_ids), dists, self.parent(request)))
+        call = VerifyCall(session, list(step.draft_token_ids), dists, self.parent(request))
+        waited_us = await self.ahead_of(session)
+        if session.ahead is not None and not call.draft_tokens:
+            verdict = self.engine.verify(session, [], [])  # scored ahead: decided here, at once, with no pass
+        else:
+            verdict = await self.batcher.submit(call)
+        verdict.ahead_us = max(0, verdict.ahead_us - waited_us)
+        if step.decode_ahead:
+            self.decode_ahead(session, request)
         return target_pb2.VerifyResponse(
             result=target_pb2.VerifyResult(
                 num_accepted=verdict.num_accepted,
@@ -51,10 +69,31 @@ class TargetServicer(SessionStreamServicer):
                 draft_token_probs=verdict.draft_token_probs,
                 distributions=[distribution_to_proto(d) for d in verdict.distributions],
                 timing=timing_to_proto(
-                    verdict.compute_us, verdict.sync_us, verdict.batch_size, verdict.batch_tokens, verdict.queue_us
+                    verdict.compute_us,
+                    verdict.sync_us,
+                    verdict.batch_size,
+                    verdict.batch_tokens,
+                    verdict.queue_us,
+                    verdict.ahead_us,
                 ),
             )
         )
+
+    def decode_ahead(self, session, request) -> None:
+        """Feeds the session's pending token now, in the batcher's next pass, without waiting for its next step."""
+        running = asyncio.ensure_future(self.batcher.submit(AheadCall(session, self.parent(request))))
+        # Its error, if any, is the next step's; one that never comes (the stream ended) must not leave it unread.
+        running.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.running_ahead[session.session_id] = running
+
+    async def ahead_of(self, session) -> int:
+        """Waits for the session's pass running ahead, if any (its error is this step's); how long it waited (us)."""
+        running = self.running_ahead.pop(session.session_id, None)
+        if running is None:
+            return 0
+        start = time.perf_counter()
+        await running
+        return elapsed_us(start)
 
     @staticmethod
     def timing(response):
@@ -64,6 +103,9 @@ class TargetServicer(SessionStreamServicer):
         return self.engine.run_batch(calls)
 
     def close(self, session) -> None:
+        running = self.running_ahead.pop(session.session_id, None)
+        if running is not None:
+            running.cancel()
         self.engine.close_session(session)
 
     async def Verify(self, request_iterator, context):

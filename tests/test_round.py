@@ -23,6 +23,7 @@ class ScriptedWorkers:
         self.verdict = verdict
         self.proposed: list[tuple] = []
         self.verified: list[Proposal | None] = []
+        self.decoding_ahead: list[bool] = []
         self.has_draft = True
 
     async def propose(self, num_accepted, committed, g, parent, assume_accepted=False):
@@ -30,8 +31,9 @@ class ScriptedWorkers:
         await asyncio.sleep(0)
         return self.proposals.pop(0)
 
-    async def verify(self, proposal, parent):
+    async def verify(self, proposal, parent, decode_ahead=False):
         self.verified.append(proposal)
+        self.decoding_ahead.append(decode_ahead)
         await asyncio.sleep(0.001)  # long enough for a pre-draft to run beside it
         return self.verdict
 

@@ -142,7 +142,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., rounds: _Optional[_Iterable[_Union[SpeculationRound, _Mapping]]] = ...) -> None: ...
 
 class TimeSplit(_message.Message):
-    __slots__ = ("prefill_us", "draft_us", "verify_us", "sync_us", "network_us", "coordinator_us", "total_us", "draft_overlapped_us", "queue_us", "handling_us")
+    __slots__ = ("prefill_us", "draft_us", "verify_us", "sync_us", "network_us", "coordinator_us", "total_us", "draft_overlapped_us", "queue_us", "handling_us", "verify_ahead_us")
     PREFILL_US_FIELD_NUMBER: _ClassVar[int]
     DRAFT_US_FIELD_NUMBER: _ClassVar[int]
     VERIFY_US_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class TimeSplit(_message.Message):
     DRAFT_OVERLAPPED_US_FIELD_NUMBER: _ClassVar[int]
     QUEUE_US_FIELD_NUMBER: _ClassVar[int]
     HANDLING_US_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_AHEAD_US_FIELD_NUMBER: _ClassVar[int]
     prefill_us: int
     draft_us: int
     verify_us: int
@@ -163,7 +164,8 @@ class TimeSplit(_message.Message):
     draft_overlapped_us: int
     queue_us: int
     handling_us: int
-    def __init__(self, prefill_us: _Optional[int] = ..., draft_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., network_us: _Optional[int] = ..., coordinator_us: _Optional[int] = ..., total_us: _Optional[int] = ..., draft_overlapped_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., handling_us: _Optional[int] = ...) -> None: ...
+    verify_ahead_us: int
+    def __init__(self, prefill_us: _Optional[int] = ..., draft_us: _Optional[int] = ..., verify_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., network_us: _Optional[int] = ..., coordinator_us: _Optional[int] = ..., total_us: _Optional[int] = ..., draft_overlapped_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., handling_us: _Optional[int] = ..., verify_ahead_us: _Optional[int] = ...) -> None: ...
 
 class SpeculationRound(_message.Message):
     __slots__ = ("gamma", "drafted", "accepted", "rollback", "committed", "time_split", "bytes_sent", "bytes_received", "overlapped", "target_batch_size", "draft_source")

@@ -20,12 +20,14 @@ class VerifySessionStart(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., num_p_entries: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyStep(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_distributions")
+    __slots__ = ("draft_token_ids", "draft_distributions", "decode_ahead")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[_worker_pb2.SparseDistribution]
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_worker_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+    decode_ahead: bool
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_worker_pb2.SparseDistribution, _Mapping]]] = ..., decode_ahead: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("start", "step", "trace_context")

@@ -50,20 +50,22 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
-    __slots__ = ("compute_us", "sync_us", "batch_size", "batch_tokens", "queue_us", "handling_us")
+    __slots__ = ("compute_us", "sync_us", "batch_size", "batch_tokens", "queue_us", "handling_us", "ahead_us")
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     SYNC_US_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_US_FIELD_NUMBER: _ClassVar[int]
     HANDLING_US_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_US_FIELD_NUMBER: _ClassVar[int]
     compute_us: int
     sync_us: int
     batch_size: int
     batch_tokens: int
     queue_us: int
     handling_us: int
-    def __init__(self, compute_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., queue_us: _Optional[int] = ..., handling_us: _Optional[int] = ...) -> None: ...
+    ahead_us: int
+    def __init__(self, compute_us: _Optional[int] = ..., sync_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., queue_us: _Optional[int] = ..., handling_us: _Optional[int] = ..., ahead_us: _Optional[int] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
     __slots__ = ("tokens", "milliseconds")
@@ -88,7 +90,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("role", "model_name", "vocab_size", "tokenizer_fingerprint", "device", "dtype", "max_context_length", "active_sessions", "max_sessions", "eos_token_ids", "forward_costs", "engine", "max_kv_tokens", "reserved_kv_tokens")
+    __slots__ = ("role", "model_name", "vocab_size", "tokenizer_fingerprint", "device", "dtype", "max_context_length", "active_sessions", "max_sessions", "eos_token_ids", "forward_costs", "engine", "max_kv_tokens", "reserved_kv_tokens", "decodes_ahead")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,7 @@ class GetInfoResponse(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MAX_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODES_AHEAD_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     model_name: str
     vocab_size: int
@@ -117,4 +120,5 @@ class GetInfoResponse(_message.Message):
     engine: str
     max_kv_tokens: int
     reserved_kv_tokens: int
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., engine: _Optional[str] = ..., max_kv_tokens: _Optional[int] = ..., reserved_kv_tokens: _Optional[int] = ...) -> None: ...
+    decodes_ahead: bool
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., engine: _Optional[str] = ..., max_kv_tokens: _Optional[int] = ..., reserved_kv_tokens: _Optional[int] = ..., decodes_ahead: _Optional[bool] = ...) -> None: ...

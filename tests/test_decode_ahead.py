@@ -1,0 +1,138 @@
+"""Decoding ahead (docs/design/decode_ahead.md): the target scores a round's first token as soon as the verdict
+before it gives that token, so the pass runs while the exchange is on the wire. A round scored ahead gets the very
+verdict it would have got in one pass (on the gguf engine, whose rows are the same in any pass; torch's are not,
+and its worker refuses), and a stream that ends while its pass runs ahead frees its session."""
+
+import asyncio
+
+import pytest
+import torch
+
+from common.errors import InvalidArgument
+from common.models import load_model
+from common.sampling import SamplingParams, SparseDistribution
+from coordinator.client import build_request
+from coordinator.config import CoordinatorConfig
+from target_worker.engine import TargetEngine
+from tests.conftest import draft_engine_for, running_services, wait_until
+from tests.test_greedy_equivalence import PROMPTS, generate_ids
+
+PROMPT = [3, 17, 42, 99, 5, 17, 42, 7]
+SAMPLED = SamplingParams(temperature=1.0, seed=11)
+GREEDY = SamplingParams(temperature=0)
+
+
+def one_hot(token: int) -> SparseDistribution:
+    return SparseDistribution(torch.tensor([token]), torch.tensor([1.0]))
+
+
+def drafts_for(round_index: int, tokens: list[int], greedy: list[int]) -> list[int]:
+    """What a round drafts: nothing every other round, else the greedy continuation (accepted where the session is
+    greedy), its last token changed every third time (rejected), so that both kinds of round follow one scored
+    ahead."""
+    if round_index % 2 == 0:
+        return []
+    drafts = greedy[len(tokens) : len(tokens) + 1 + round_index % 3]
+    if round_index % 3 == 0 and drafts:
+        drafts[-1] = (drafts[-1] + 1) % 200
+    return drafts
+
+
+def run_rounds(engine: TargetEngine, params: SamplingParams, ahead: bool, greedy: list[int] = (), rounds: int = 12):
+    """A session's verdicts over a script of rounds; ahead: the pending token scored after every round."""
+    session, _ = engine.open_session(PROMPT, params, max_tokens=len(PROMPT) + 4 * rounds + 8)
+    verdicts = []
+    try:
+        for i in range(rounds):
+            drafts = drafts_for(i, session.sequence.tokens, list(greedy))
+            verdicts.append(engine.verify(session, drafts, [one_hot(t) for t in drafts]))
+            if ahead:
+                engine.score_ahead(session)
+        return verdicts, list(session.sequence.tokens)
+    finally:
+        engine.close_session(session)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m", engine="gguf")
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    return TargetEngine(smollm2, calibrate=False)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_round_scored_ahead_gets_the_verdict_it_gets_in_one_pass(engine, params):
+    _, greedy = run_rounds(engine, GREEDY, ahead=False, rounds=60)
+    plain, plain_tokens = run_rounds(engine, params, False, greedy)
+    ahead, ahead_tokens = run_rounds(engine, params, True, greedy)
+    assert ahead_tokens == plain_tokens
+    for a, p in zip(ahead, plain, strict=True):
+        assert (a.num_accepted, a.next_token, a.rollback, a.draft_token_probs) == (
+            p.num_accepted,
+            p.next_token,
+            p.rollback,
+            p.draft_token_probs,
+        )
+    # Every round after the first was scored ahead (its first row in a pass of its own), and the rounds that
+    # drafted had rows to accept and to reject.
+    assert all(v.ahead_us > 0 for v in ahead[1:]) and not any(v.ahead_us for v in plain)
+    assert sum(v.rollback for v in plain) > 0
+    assert sum(v.num_accepted for v in plain) > 0 or not params.greedy
+
+
+def test_decode_ahead_is_refused_naming_the_field_where_a_rows_logits_depend_on_the_pass(engine, target_model):
+    # torch picks its products' kernels by the row count: a row scored alone differs in its last bits from the
+    # same row in a round's pass, so its worker says it does not decode ahead and refuses the step that asks.
+    torch_engine = TargetEngine(target_model, calibrate=False)
+    assert engine.info()["decodes_ahead"] and not torch_engine.info()["decodes_ahead"]
+    session, _ = torch_engine.open_session(PROMPT, GREEDY)
+    try:
+        with pytest.raises(InvalidArgument, match="step.decode_ahead"):
+            torch_engine.score_ahead(session)
+        assert session.ahead is None
+        torch_engine.verify(session, [], [])  # the session goes on
+    finally:
+        torch_engine.close_session(session)
+
+
+def test_target_only_and_prompt_lookup_decode_ahead_through_grpc_with_the_same_output(smollm2):
+    async def generate_all(config: CoordinatorConfig):
+        outputs = []
+        target = TargetEngine(smollm2, calibrate=False)
+        async with running_services(target, draft_engine_for({}, "ngram"), config) as services:
+            for prompt in PROMPTS:
+                for gamma, seed in [(0, None), (-1, None), (0, 5)]:
+                    options = {"temperature": 1.0, "seed": seed} if seed is not None else {"temperature": 0}
+                    request = build_request(prompt, max_new_tokens=30, ignore_eos=True, num_speculative_tokens=gamma, **options)
+                    response = await services.stub.Generate(request)
+                    outputs.append((list(response.token_ids), response.time_split.verify_ahead_us))
+            await asyncio.to_thread(wait_until, lambda: len(target.sessions) == 0, message="sessions left open")
+        return outputs
+
+    ahead = asyncio.run(generate_all(CoordinatorConfig()))
+    plain = asyncio.run(generate_all(CoordinatorConfig(decode_ahead=False)))
+    assert [ids for ids, _ in ahead] == [ids for ids, _ in plain]
+    # It decoded ahead: scoring was hidden behind the exchange in every request of the first run, in none of the
+    # second's.
+    assert all(hidden > 0 for _, hidden in ahead) and not any(hidden for _, hidden in plain)
+
+
+def test_a_request_that_stops_while_its_target_decodes_ahead_frees_its_session(smollm2):
+    async def run():
+        target = TargetEngine(smollm2, calibrate=False)
+        async with running_services(target, None) as services:
+            reference, _ = await generate_ids(services.stub, PROMPTS[0], gamma=0, max_new_tokens=20)
+            stop = services.target.loaded.tokenizer.decode(reference[:4])[-2:]
+            for _ in range(3):
+                request = build_request(PROMPTS[0], max_new_tokens=20, temperature=0, ignore_eos=True, stop=[stop])
+                response = await services.stub.Generate(request)
+                # The stop string ended it early: its last round had asked the target to decode ahead.
+                assert len(response.token_ids) < 20 and response.time_split.verify_ahead_us > 0
+                await asyncio.to_thread(wait_until, lambda: len(target.sessions) == 0, message="the session was not freed")
+            ids, _ = await generate_ids(services.stub, PROMPTS[0], gamma=0, max_new_tokens=20)
+            assert ids == reference
+
+    asyncio.run(run())
