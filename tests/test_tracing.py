@@ -122,13 +122,19 @@ def traced_cluster(receiver, tmp_path_factory):
         yield cluster
 
 
-def wait_for_trace(receiver, trace_id: str, verifies: int, proposals: int, timeout: float = 20) -> list:
-    """The trace's spans once the workers' spans of every round have arrived: a verification per round, a proposal
-    per round that drafted (the workers export in batches of their own)."""
+def wait_for_trace(receiver, trace_id: str, caller_span_id: str, verifies: int, proposals: int, timeout: float = 20) -> list:
+    """The trace's spans once all have arrived: the span continuing the caller's (it ends last, and each service
+    exports in batches of its own, in the order its spans end, so the coordinator's root can come in a later batch
+    than the workers' spans), a verification per round, a proposal per round that drafted."""
 
     def arrived():
-        names = [span.name for _, span in receiver.trace(trace_id)]
-        return names.count("target.verify") >= verifies and names.count("draft.propose") >= proposals
+        spans = [span for _, span in receiver.trace(trace_id)]
+        names = [span.name for span in spans]
+        return (
+            any(span.parent_span_id.hex() == caller_span_id for span in spans)
+            and names.count("target.verify") >= verifies
+            and names.count("draft.propose") >= proposals
+        )
 
     wait_until(arrived, timeout, interval=0.1, message=f"the spans of trace {trace_id}'s {verifies} rounds")
     return receiver.trace(trace_id)
@@ -142,7 +148,7 @@ def test_one_trace_spans_all_three_services_with_a_span_per_round(traced_cluster
         )
     rounds = response.speculation.rounds
     assert rounds > 1
-    spans = wait_for_trace(receiver, TRACE_ID, rounds, sum(r.drafted > 0 for r in response.rounds))
+    spans = wait_for_trace(receiver, TRACE_ID, CLIENT_SPAN_ID, rounds, sum(r.drafted > 0 for r in response.rounds))
     services = {service for service, _ in spans}
     assert services == {"specdec-coordinator", "specdec-target", "specdec-draft"}
 
@@ -267,15 +273,8 @@ def test_an_http_request_continues_the_callers_trace_with_the_genai_span_below_a
     )
     assert response.status_code == 200
     rounds = response.json()["speculation"]["rounds"]
-    wait_for_trace(receiver, trace_id, rounds, 1)
-    # The HTTP span ends after the last byte and goes out in a later batch than the workers' spans.
-    wait_until(
-        lambda: any(span.parent_span_id.hex() == parent for _, span in receiver.trace(trace_id)),
-        20,
-        interval=0.1,
-        message="the HTTP server span was not exported",
-    )
-    spans = receiver.trace(trace_id)
+    # The HTTP server span, which continues the caller's trace, ends after the last byte.
+    spans = wait_for_trace(receiver, trace_id, parent, rounds, 1)
     by_id = {span.span_id: span for _, span in spans}
     (http,) = [span for _, span in spans if span.parent_span_id.hex() == parent]
     assert http.name == "POST /v1/chat/completions", "the HTTP server span continues the caller's trace"
