@@ -57,13 +57,19 @@ class Batcher:
     async def submit(self, call):
         """The call's result, once a batch containing it has run; its exception is raised here. The time the call
         waited for its batch is set on it as queue_us, when it has that attribute."""
+        return await self.enqueue(call)
+
+    def enqueue(self, call) -> asyncio.Future:
+        """submit() without waiting: the call is queued before this returns, so that its batch can start while
+        the caller goes on (a decode ahead, queued before the verdict it follows is sent). Cancelling the future
+        takes the call out of a batch that has not run yet."""
         future = asyncio.get_running_loop().create_future()
         call.queued_at = time.monotonic()
         self.queue.append((call, future))
         self.arrived.set()
         if self.draining is None or self.draining.done():
             self.draining = asyncio.ensure_future(self.drain())
-        return await future
+        return future
 
     async def gather(self) -> None:
         """Waits (briefly) until every open session has a step queued."""

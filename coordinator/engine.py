@@ -562,7 +562,7 @@ class RequestRun:
         whose pre-drafts run behind rounds that draft nothing."""
         return (
             self.engine.config.decode_ahead
-            and self.engine.target.decodes_ahead
+            and self.workers.target.decodes_ahead
             and gamma == 0
             and self.ready is None
             and not self.overlap

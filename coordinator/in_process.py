@@ -24,6 +24,7 @@ class InProcessTargetSession:
         self.session, opened = call_in_context(parent, engine.open_session, prompt, params, num_p_entries, max_tokens)
         self.prefill_us = opened.compute_us
         self.opening_overhead_us = 0  # no transport
+        self.decodes_ahead = False  # in process there is no exchange for a pass to hide behind
 
     async def verify(
         self,
@@ -32,7 +33,6 @@ class InProcessTargetSession:
         parent: Context | None = None,
         decode_ahead: bool = False,
     ) -> Verdict:
-        # decode_ahead is not taken: in process there is no exchange for a pass to hide behind.
         return call_in_context(parent, self.engine.verify, self.session, draft_tokens, draft_dists)
 
     async def close(self) -> None:

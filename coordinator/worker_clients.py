@@ -144,6 +144,11 @@ class GrpcTargetSession(StreamSession):
     worker = "target"
     rpc = "Verify"
 
+    def __init__(self, call, member: Member | None = None):
+        super().__init__(call, member)
+        # Read now: the session gives its member back when it ends. Unknown (not yet polled): not asked.
+        self.decodes_ahead = bool(member is not None and member.info is not None and member.info.decodes_ahead)
+
     async def open(
         self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None, max_tokens: int = 0
     ) -> "GrpcTargetSession":

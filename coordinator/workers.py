@@ -57,6 +57,10 @@ class DraftSession(Protocol):
 class TargetSession(Protocol):
     prefill_us: int
     opening_overhead_us: int  # the opening's round trip beyond the worker's work and waiting
+    # Its worker takes decode_ahead (GetInfoResponse.decodes_ahead). Asked of the session, not the deployment: a
+    # pool may hold workers of other engines for a while (a rolling update), and one that refuses the flag would
+    # fail the step.
+    decodes_ahead: bool
 
     async def verify(
         self,

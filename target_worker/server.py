@@ -61,6 +61,9 @@ class TargetServicer(SessionStreamServicer):
         verdict.ahead_us = max(0, verdict.ahead_us - waited_us)
         if step.decode_ahead:
             self.decode_ahead(session, request)
+            # The batcher hands that pass to the compute thread before this verdict is sent (it starts as soon as
+            # this thread lets go of the GIL).
+            await asyncio.sleep(0)
         return target_pb2.VerifyResponse(
             result=target_pb2.VerifyResult(
                 num_accepted=verdict.num_accepted,
@@ -81,7 +84,7 @@ class TargetServicer(SessionStreamServicer):
 
     def decode_ahead(self, session, request) -> None:
         """Feeds the session's pending token now, in the batcher's next pass, without waiting for its next step."""
-        running = asyncio.ensure_future(self.batcher.submit(AheadCall(session, self.parent(request))))
+        running = self.batcher.enqueue(AheadCall(session, self.parent(request)))
         # Its error, if any, is the next step's; one that never comes (the stream ended) must not leave it unread.
         running.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.running_ahead[session.session_id] = running
