@@ -61,9 +61,6 @@ class TargetServicer(SessionStreamServicer):
         verdict.ahead_us = max(0, verdict.ahead_us - waited_us)
         if step.decode_ahead:
             self.decode_ahead(session, request)
-            # The batcher hands that pass to the compute thread before this verdict is sent (it starts as soon as
-            # this thread lets go of the GIL).
-            await asyncio.sleep(0)
         return target_pb2.VerifyResponse(
             result=target_pb2.VerifyResult(
                 num_accepted=verdict.num_accepted,
