@@ -1,22 +1,22 @@
-"""`specdec bench --suite drafting`: drafting sources on an agent's editing loop, on input-grounded prompts, and
-under load.
+"""`specdec bench --suite drafting`: drafting sources on an agent's editing loop, on input-grounded prompts, and under
+load.
 
 The editing workload (bench/editing_tasks.json) is what a coding agent sends: the same module revised over several
-requests, each carrying the original code and the changes asked so far (rename, add a parameter, add docstrings,
-fix a bug), so each answer repeats most of the one before it, including the lines that no longer match the prompt.
-The input-grounded workload is the bench's own input-grounded prompts (bench/prompts.json).
+requests, each carrying the original code and the changes asked so far (rename, add a parameter, add docstrings, fix
+a bug), so each answer repeats most of the one before it, including the lines that no longer match the prompt. The
+input-grounded workload is the bench's own input-grounded prompts (bench/prompts.json).
 
-Systems, greedy, auto gamma, each draft on a cluster of its own (the target worker the same model): target-only,
-prompt lookup (`ngram`), suffix trees (`suffix`: this request's text and the worker's recent outputs), and a model
-draft where the target has one. Per task the systems run in turn, each through all of the task's requests in
-order; a warm-up request per cluster (a prompt outside both workloads) is not counted. Reported per workload and
-system: tokens/s over all requests, the median per-request speedup over target-only, acceptance, accepted tokens per
-round, what proposed the drafting rounds, and whether every output equals target-only's.
+Systems, greedy, auto gamma (or a fixed gamma given), each draft on a cluster of its own (the target worker the same
+model): target-only, prompt lookup (`ngram`), suffix trees (`suffix`: this request's text and the worker's recent
+outputs), and a model draft where the target has one. Per task the systems run in turn, each through all of the
+task's requests in order; a warm-up request per cluster (a prompt outside both workloads) is not counted. Reported
+per workload and system: tokens/s over all requests, the median per-request speedup over target-only, acceptance,
+accepted tokens per round, what proposed the drafting rounds, and whether every output equals target-only's.
 
 The concurrency sweep: 1, 2, 4, 8, 16 clients sending at once (the bench's prompts in turn, 48 tokens each, as the
-performance suite's sweep), target-only against auto gamma with the model-free drafts on a draft worker and run
-in the coordinator (`--local-draft`, no exchange per round): aggregate tokens/s at each level against
-target-only's, in several passes with the systems' order rotated, reported as medians.
+performance suite's sweep), target-only against auto gamma with the model-free drafts on a draft worker and run in
+the coordinator (`--local-draft`, no exchange per round): aggregate tokens/s at each level against target-only's, in
+several passes with the systems' order rotated, reported as medians.
 """
 
 import json
@@ -48,6 +48,9 @@ class DraftingConfig:
     repeats: int = 1  # counted passes over both workloads
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     requests_per_client: int = 2
+    # The drafting systems' draft tokens per round; -1 is auto gamma, what a deployment runs. A fixed gamma compares
+    # the sources alone, without the cost model's choice of whether to draft.
+    gamma: int = -1
     # Passes over the sweep, the systems' order rotated each time: a level's ratio is the median of its passes'
     # (one wave lasts seconds, and this machine's speed drifts by up to 40 % within minutes).
     sweep_passes: int = 3
@@ -55,6 +58,8 @@ class DraftingConfig:
 
     def __post_init__(self):
         self.draft_model = self.draft_model or model_draft_for(self.target_model)
+        if self.gamma == 0 or self.gamma < -1:
+            raise ValueError(f"gamma must be -1 (auto) or at least 1, got {self.gamma}")
         if self.quick:
             self.max_new_tokens = min(self.max_new_tokens, 64)
             self.concurrency, self.requests_per_client, self.sweep_passes = [1, 4], 1, 1
@@ -87,20 +92,26 @@ def grounded_requests(quick: bool) -> list[list[dict]]:
 
 def systems(config: "DraftingConfig") -> dict[str, tuple[tuple[str, bool], int]]:
     """System -> (its cluster: the draft, and whether the coordinator runs it; gamma)."""
-    out = {BASELINE: (("ngram", False), 0), "ngram": (("ngram", False), -1), "suffix": (("suffix", False), -1)}
+    gamma = config.gamma
+    out = {BASELINE: (("ngram", False), 0), "ngram": (("ngram", False), gamma), "suffix": (("suffix", False), gamma)}
     if config.draft_model:
-        out[f"model ({config.draft_model})"] = ((config.draft_model, False), -1)
+        out[f"model ({config.draft_model})"] = ((config.draft_model, False), gamma)
     return out
 
 
-def sweep_systems() -> dict[str, tuple[tuple[str, bool], int]]:
+def sweep_systems(config: "DraftingConfig") -> dict[str, tuple[tuple[str, bool], int]]:
+    gamma = config.gamma
     return {
         BASELINE: (("ngram", False), 0),
-        "ngram": (("ngram", False), -1),
-        "ngram, local": (("ngram", True), -1),
-        "suffix": (("suffix", False), -1),
-        "suffix, local": (("suffix", True), -1),
+        "ngram": (("ngram", False), gamma),
+        "ngram, local": (("ngram", True), gamma),
+        "suffix": (("suffix", False), gamma),
+        "suffix, local": (("suffix", True), gamma),
     }
+
+
+def gamma_text(gamma: int) -> str:
+    return "auto gamma" if gamma < 0 else f"gamma {gamma}"
 
 
 def run_workloads(config: DraftingConfig, clients: dict[tuple[str, bool], GenerationClient]) -> list[dict]:
@@ -125,7 +136,7 @@ def concurrency_sweep(config: DraftingConfig, addresses: dict[tuple[str, bool], 
     systems in turn at each level, in an order rotated from one level and pass to the next. One row per pass,
     system and level, its ratio against target-only's wave of the same pass and level."""
     prompts = load_prompts(None)
-    systems = list(sweep_systems().items())
+    systems = list(sweep_systems(config).items())
     waves = []
     for sweep_pass in range(config.sweep_passes):
         for i, clients in enumerate(config.concurrency):
@@ -227,8 +238,8 @@ def report(results: dict) -> str:
     lines = [
         f"# Drafting sources on editing and input-grounded requests: {config['name']}",
         "",
-        f"target {config['target_model']} on {config['device']}, greedy, auto gamma, at most {config['max_new_tokens']} "
-        f"new tokens; machine: {results['machine']['processor']}",
+        f"target {config['target_model']} on {config['device']}, greedy, {gamma_text(config['gamma'])}, "
+        f"at most {config['max_new_tokens']} new tokens; machine: {results['machine']['processor']}",
         "",
     ]
     for workload in ("editing", "input-grounded"):
@@ -254,7 +265,7 @@ def report(results: dict) -> str:
             lines.append(f"- {key.replace('_', ' ')}: {analysis[key]:.2f}")
     lines += [
         "",
-        f"## Concurrency: clients sending at once, {SWEEP_TOKENS} tokens each, auto gamma",
+        f"## Concurrency: clients sending at once, {SWEEP_TOKENS} tokens each, {gamma_text(config['gamma'])}",
         "",
         f"Medians over {config['sweep_passes']} passes (the systems' order rotated); x target-only: the median of each "
         "pass's ratio to target-only's wave at the same level.",
@@ -277,7 +288,7 @@ def report(results: dict) -> str:
 def run_drafting(config: DraftingConfig) -> Path:
     out = Path(config.output_root) / config.name
     out.mkdir(parents=True, exist_ok=True)
-    wanted = [cluster for cluster, _ in [*systems(config).values(), *sweep_systems().values()]]
+    wanted = [cluster for cluster, _ in [*systems(config).values(), *sweep_systems(config).values()]]
     started = time.perf_counter()
     with ExitStack() as stack:
         clients, addresses = {}, {}

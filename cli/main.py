@@ -64,6 +64,9 @@ def add_bench_parser(commands) -> None:
         "target-only, prompt lookup, suffix trees and a model draft on an agent's editing loop and on input-grounded "
         "prompts, and a concurrency sweep with the model-free drafts on a draft worker and in the coordinator",
     )
+    bench.add_argument(
+        "--gamma", type=int, help="drafting: the drafting systems' draft tokens per round (default: -1, auto gamma)"
+    )
     bench.add_argument("--overlap-draft-model", help="performance: the model draft of the overlap runs (default: the suite's)")
 
 
@@ -178,6 +181,9 @@ def run_status(args) -> int:
 def run_bench_command(args) -> int:
     import time
 
+    if args.gamma is not None and args.suite != "drafting":
+        print("specdec bench: --gamma applies to --suite drafting only", file=sys.stderr)
+        return 2
     name = args.name or f"{'quick' if args.quick else 'full'}-{args.suite}-{time.strftime('%Y%m%d-%H%M%S')}"
     given = {
         key: getattr(args, key)
@@ -208,6 +214,8 @@ def run_bench_command(args) -> int:
     elif args.suite == "drafting":
         from bench.drafting import DraftingConfig, run_drafting
 
+        if args.gamma is not None:
+            given["gamma"] = args.gamma
         out = run_drafting(DraftingConfig(name=name, quick=args.quick, **given))
     elif args.suite == "performance":
         from bench.performance import PerformanceConfig, run_performance

@@ -114,7 +114,9 @@ def test_the_prefill_report_shows_each_streams_worst_gap_in_one_pass_and_in_chun
 
 @pytest.mark.slow
 def test_quick_drafting_bench_compares_the_drafting_sources_on_both_workloads_and_under_load(tmp_path):
-    out = run_quick_bench(tmp_path, "drafting")
+    # A fixed gamma: whether auto gamma drafts is the cost model's call on these tiny models' timings, which are noise
+    # on a loaded machine (it priced drafting out of a whole run in CI); test_gamma_policy proves its choices.
+    out = run_quick_bench(tmp_path, "drafting", "--gamma", "3")
     results = json.loads((out / "results.json").read_text())
     analysis = results["analysis"]
     for workload in ("editing", "input-grounded"):
@@ -125,12 +127,23 @@ def test_quick_drafting_bench_compares_the_drafting_sources_on_both_workloads_an
     # Request k of a task asks for the first k changes of the same module: two requests, in order.
     editing_ids = [r["prompt_id"] for r in results["runs"] if r["workload"] == "editing" and r["system"] == "suffix"]
     assert editing_ids == ["inventory-1", "inventory-2"]
-    assert "suffix over ngram speedup editing" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "suffix over ngram speedup editing" in report and "greedy, gamma 3," in report
     sweep = results["concurrency"]
     systems = {"target-only", "ngram", "ngram, local", "suffix", "suffix, local"}
     assert sorted((r["system"], r["clients"]) for r in sweep) == sorted((s, n) for s in systems for n in (1, 4))
     assert all(r["identical_to_target_only"] for r in sweep)
-    # Auto gamma: whether a level drafts is the cost model's call on these tiny models' noisy timings; the
-    # counts are reported, and speculation ran in the sweep.
-    assert all(r["accepted"] <= r["drafted"] for r in sweep)
-    assert any(r["drafted"] > 0 for r in sweep if r["system"] != "target-only")
+    assert all(0 <= r["accepted"] <= r["drafted"] for r in sweep)
+    assert all((r["drafted"] > 0) == (r["system"] != "target-only") for r in sweep)
+
+
+def test_the_drafting_bench_takes_auto_or_a_positive_gamma_and_only_the_drafting_suite_takes_one():
+    from bench.drafting import DraftingConfig
+    from cli.main import build_parser, run_bench_command
+
+    assert DraftingConfig(name="t").gamma == -1 and DraftingConfig(name="t", gamma=4).gamma == 4
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="gamma"):
+            DraftingConfig(name="t", gamma=bad)
+    args = build_parser().parse_args(["bench", "--suite", "overhead", "--gamma", "3"])
+    assert run_bench_command(args) == 2
