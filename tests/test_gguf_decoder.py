@@ -8,6 +8,7 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from common.batched_forward import forward_sessions
 from common.models import load_model
+from common.quantized.decoder import StackedProducts
 from common.quantized.kernels import kernels
 
 SMOLLM2 = "smollm2-135m"
@@ -91,3 +92,86 @@ def test_the_pass_scores_as_transformers_forward_on_the_same_blocks():
     assert not torch.equal(ours, theirs)  # the test can fail: these are two different computations
     assert distance(ours) <= 1.25 * distance(theirs)
     assert agreement(ours) >= agreement(theirs) - 0.05
+
+
+def stacked_products(model) -> list[tuple[StackedProducts, StackedProducts]]:
+    """Each layer's (q, k, v) and (gate, up) products, stacked once."""
+    return [
+        (
+            StackedProducts([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+            StackedProducts([layer.mlp.gate_proj, layer.mlp.up_proj]),
+        )
+        for layer in model.get_decoder().layers
+    ]
+
+
+def python_loop_pass(model, products, caches, token_ids, logits_to_keep) -> list[torch.Tensor]:
+    """The pass with its layer loop in Python, one kernel call per op, as decoder.py ran it before the loop moved into
+    C++ (decoder_layers.h): the same functions in the same order, so the C++ loop must match it bit for bit."""
+    ops, decoder = kernels(), model.get_decoder()
+    text = model.config.get_text_config()
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    lengths = [len(ids) for ids in token_ids]
+    starts = [cache.get_seq_length() for cache in caches]
+    rows = sum(lengths)
+    ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
+    hidden = decoder.embed_tokens(ids).contiguous()
+    cos, sin = (t[0].contiguous() for t in decoder.rotary_emb(hidden[None], positions[None]))
+    for index, (layer, (qkv, gate_up)) in enumerate(zip(decoder.layers, products, strict=True)):
+        attention, mlp = layer.self_attn, layer.mlp
+        prototype = hidden.new_empty(1, kv_heads, 0, attention.head_dim)
+        buffers = [cache.layers[index] for cache in caches]
+        for cache_layer, start, n in zip(buffers, starts, lengths, strict=True):
+            if not cache_layer.is_initialized:
+                cache_layer.lazy_initialization(prototype, prototype)
+            cache_layer.reserve(prototype, prototype, start + n)
+        norm = layer.input_layernorm
+        h = ops.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        q, k, v = qkv(h)
+        q = q.contiguous().view(rows, heads, attention.head_dim)
+        k = k.contiguous().view(rows, kv_heads, attention.head_dim)
+        v = v.contiguous().view(rows, kv_heads, attention.head_dim)
+        ops.rotary(q, cos, sin)
+        ops.rotary(k, cos, sin)
+        keys, values = [b.key_buffer for b in buffers], [b.value_buffer for b in buffers]
+        hidden += attention.o_proj.product(ops.attend_sessions(q, k, v, keys, values, starts, lengths, attention.scaling))
+        norm = layer.post_attention_layernorm
+        h = ops.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+        gate, up = gate_up(h)
+        hidden += mlp.down_proj.product(F.silu(gate).mul_(up))
+    for cache, start, n in zip(caches, starts, lengths, strict=True):
+        for cache_layer in cache.layers:
+            cache_layer.set_length(start + n)
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    keep = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, logits_to_keep, strict=True)])
+    last = ops.rms_norm(hidden[keep].contiguous(), decoder.norm.weight, decoder.norm.variance_epsilon)
+    return list(model.get_output_embeddings()(last).split(logits_to_keep))
+
+
+@pytest.mark.parametrize("spec", [SMOLLM2, "qwen2.5-coder-0.5b#layers=4"])
+def test_the_layers_in_one_cpp_call_equal_the_loop_of_kernel_calls_bit_for_bit(spec):
+    """Several sessions at once (a prefill, a verification, a one-token step), then a step each: every logits row of
+    the C++ layer loop equals the Python loop's, and so do the caches they leave. The Qwen layers have biases and
+    a v product in another format than q and k."""
+    loaded = load_model(spec, engine="gguf")
+    runner = loaded.runner
+    with torch.inference_mode():
+        passes = [
+            ([list(range(300, 340)), list(range(500, 520)), [7, 8, 9]], [40, 3, 1]),
+            ([[11, 12, 13, 14], [21], [31, 32]], [4, 1, 2]),
+            ([[15], [22], [33]], [1, 1, 1]),
+        ]
+        results = []
+        products = stacked_products(loaded.model)
+        for forward in (runner.forward, lambda *a: python_loop_pass(loaded.model, products, *a)):
+            caches = [runner.new_cache() for _ in range(3)]
+            logits = [row for ids, keep in passes for row in forward(caches, ids, keep)]
+            results.append((logits, caches))
+    (ours, our_caches), (reference, reference_caches) = results
+    assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+    for mine, theirs in zip(our_caches, reference_caches, strict=True):
+        assert mine.get_seq_length() == theirs.get_seq_length() > 0
+        for a, b in zip(mine.layers, theirs.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert not torch.equal(ours[0][-1], ours[1][-1])  # the test can fail: different sessions give different rows

@@ -280,6 +280,8 @@ torch::Tensor q80_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
     return product(w, x, n, 32, 32, FormatKernels<Q80>{&avx2::q80, &vnni::q80, &avx2::q80, &vnni::q80});
 }
 
+#include "decoder_layers.h"
+
 // The activation quantization alone, for the tests' float64 reference: (codes, scales).
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be [rows, K] float32");
@@ -314,6 +316,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, no_gil);
     m.def("rotary", &rotary, no_gil);
     m.def("attend_sessions", &attend_sessions, no_gil);
+    py::class_<DecoderLayers>(m, "DecoderLayers")
+        .def(py::init<int64_t, int64_t>(), py::arg("heads"), py::arg("kv_heads"))
+        .def("add_layer", &DecoderLayers::add_layer)
+        .def("__len__", &DecoderLayers::size)
+        .def("forward", &DecoderLayers::forward, no_gil);
     m.def("isa", &isa);
     m.def("set_isa", &set_isa);
     m.def("numerics", &numerics);

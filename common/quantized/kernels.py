@@ -21,7 +21,10 @@ log = logging.getLogger("specdec")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 # Included by SOURCE.
-HEADERS = [Path(__file__).with_name(name) for name in ("kernel_rows.h", "kernel_wide_tiles.h", "kernel_amx.h", "decoder_ops.h")]
+HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("kernel_rows.h", "kernel_wide_tiles.h", "kernel_amx.h", "decoder_ops.h", "decoder_layers.h")
+]
 NAME = "specdec_gguf_kernels"
 # Flags every AVX2 machine has, never -march=native: one cache directory (a Docker image, a shared volume) may
 # serve machines of different CPUs. -ffp-contract=off keeps each product's float operations exactly as written,

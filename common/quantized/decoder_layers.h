@@ -1,0 +1,126 @@
+// The gguf engine's decoder layers in one call (included by kernels.cpp, after the products and decoder_ops.h).
+//
+// The layer loop written in Python (common/quantized/decoder.py as it was) made some 20 calls a layer from the
+// interpreter, each paying Python's dispatch and a release and retake of the GIL, time llama.cpp does not spend:
+// measured on 2 cores (Zen 4), a 1-token SmolLM2 step took 12.2 ms with it and 6.3 ms with this loop, and the
+// 1.5B's 33.6 against 30.2 ms (the two loops interleaved in one process). Every retake of the GIL could also wait
+// for the worker's event loop, so a round's exchange and its pass slowed each other; here the GIL is released
+// once for the whole loop.
+//
+// The loop calls the very functions the Python loop called (the products, rms_norm, rotary, attend_sessions, and
+// ATen's silu, mul_ and add_), in the same order on the same tensors: its results are bit-identical to it
+// (tests/test_gguf_decoder.py keeps the Python loop as the reference and compares the logits bit for bit).
+
+// One linear layer on a kernel: y = x W^T (+ bias), as QuantizedLinear.product.
+struct Linear {
+    enum class Kernel { q4k, q6k, q41, q80 } kernel;
+    std::vector<torch::Tensor> w;  // the kernel's operands after the activations, in its order
+    int64_t n, k;
+    torch::Tensor bias;  // undefined where there is none
+
+    Linear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t n, int64_t k, c10::optional<torch::Tensor> bias)
+        : w(std::move(tensors)), n(n), k(k), bias(bias.has_value() ? *bias : torch::Tensor()) {
+        const size_t operands = name == "q4k" ? 5 : name == "q6k" ? 4 : name == "q41" ? 3 : name == "q80" ? 2 : 0;
+        TORCH_CHECK(operands > 0, "no kernel named ", name);
+        TORCH_CHECK(w.size() == operands, name, " takes ", operands, " weight tensors, not ", w.size());
+        kernel = name == "q4k" ? Kernel::q4k : name == "q6k" ? Kernel::q6k : name == "q41" ? Kernel::q41 : Kernel::q80;
+    }
+
+    torch::Tensor operator()(const torch::Tensor& x) const {
+        torch::Tensor y;
+        switch (kernel) {
+            case Kernel::q4k: y = q4k_matmul(x, w[0], w[1], w[2], w[3], w[4], n, k); break;
+            case Kernel::q6k: y = q6k_matmul(x, w[0], w[1], w[2], w[3], n, k); break;
+            case Kernel::q41: y = q41_matmul(x, w[0], w[1], w[2], n, k); break;
+            case Kernel::q80: y = q80_matmul(x, w[0], w[1], n, k); break;
+        }
+        return bias.defined() ? y.add_(bias) : y;
+    }
+};
+
+using LinearSpec = std::tuple<std::string, std::vector<torch::Tensor>, int64_t, int64_t, c10::optional<torch::Tensor>>;
+
+// Products that read one input (decoder.py's StackedProducts): a kernel call per group of layers stacked
+// together, each call's output split into its layers', then put back in the order the layers were given.
+struct Stacked {
+    std::vector<std::pair<Linear, std::vector<int64_t>>> calls;
+    std::vector<int64_t> order;
+
+    Stacked(const std::vector<std::pair<LinearSpec, std::vector<int64_t>>>& specs, std::vector<int64_t> order) : order(std::move(order)) {
+        for (const auto& [spec, sizes] : specs)
+            calls.emplace_back(std::make_from_tuple<Linear>(spec), sizes);
+        int64_t outputs = 0;
+        for (const auto& call : calls) outputs += (int64_t)call.second.size();
+        for (int64_t i : this->order) TORCH_CHECK(i >= 0 && i < outputs, "stacked products: order names output ", i, " of ", outputs);
+    }
+
+    std::vector<torch::Tensor> operator()(const torch::Tensor& x) const {
+        std::vector<torch::Tensor> outputs;
+        for (const auto& [linear, sizes] : calls)
+            for (auto& y : linear(x).split_with_sizes(sizes, 1)) outputs.push_back(y);
+        std::vector<torch::Tensor> ordered;
+        for (int64_t i : order) ordered.push_back(outputs[i]);
+        return ordered;
+    }
+};
+
+using StackedSpec = std::pair<std::vector<std::pair<LinearSpec, std::vector<int64_t>>>, std::vector<int64_t>>;
+
+struct Layer {
+    torch::Tensor attention_norm, ffn_norm;
+    double attention_eps, ffn_eps;
+    Stacked qkv, gate_up;  // (q, k, v) and (gate, up)
+    Linear o, down;
+    int64_t head_dim;
+    double scaling;
+};
+
+// The layers of one model. forward(hidden, ...) runs them over a pass's rows, session after session, and returns
+// hidden (updated in place): what decoder.py's loop did.
+class DecoderLayers {
+  public:
+    DecoderLayers(int64_t heads, int64_t kv_heads) : heads_(heads), kv_heads_(kv_heads) {}
+
+    void add_layer(torch::Tensor attention_norm, double attention_eps, const StackedSpec& qkv, const LinearSpec& o,
+                   torch::Tensor ffn_norm, double ffn_eps, const StackedSpec& gate_up, const LinearSpec& down, int64_t head_dim,
+                   double scaling) {
+        Stacked q_k_v(qkv.first, qkv.second), gate_and_up(gate_up.first, gate_up.second);
+        TORCH_CHECK(q_k_v.order.size() == 3 && gate_and_up.order.size() == 2, "a layer takes q, k, v and gate, up");
+        layers_.push_back(Layer{attention_norm, ffn_norm, attention_eps, ffn_eps, std::move(q_k_v), std::move(gate_and_up),
+                                std::make_from_tuple<Linear>(o), std::make_from_tuple<Linear>(down), head_dim, scaling});
+    }
+
+    int64_t size() const { return (int64_t)layers_.size(); }
+
+    // keys and values: each session's buffers of each layer, layer after layer ([layer * sessions + session]).
+    torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, const std::vector<torch::Tensor>& keys,
+                          const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                          const std::vector<int64_t>& lengths) const {
+        check_rows(hidden, "hidden");
+        const int64_t rows = hidden.size(0), sessions = (int64_t)starts.size();
+        TORCH_CHECK((int64_t)keys.size() == size() * sessions && values.size() == keys.size(),
+                    "decoder layers: one key and one value buffer per layer and session");
+        for (int64_t l = 0; l < size(); ++l) {
+            const Layer& layer = layers_[l];
+            auto h = rms_norm(hidden, layer.attention_norm, layer.attention_eps);
+            auto qkv = layer.qkv(h);
+            auto q = qkv[0].contiguous().view({rows, heads_, layer.head_dim});
+            auto k = qkv[1].contiguous().view({rows, kv_heads_, layer.head_dim});
+            auto v = qkv[2].contiguous().view({rows, kv_heads_, layer.head_dim});
+            rotary(q, cos, sin);
+            rotary(k, cos, sin);
+            const std::vector<torch::Tensor> layer_keys(keys.begin() + l * sessions, keys.begin() + (l + 1) * sessions);
+            const std::vector<torch::Tensor> layer_values(values.begin() + l * sessions, values.begin() + (l + 1) * sessions);
+            hidden.add_(layer.o(attend_sessions(q, k, v, layer_keys, layer_values, starts, lengths, layer.scaling)));
+            h = rms_norm(hidden, layer.ffn_norm, layer.ffn_eps);
+            auto gate_up = layer.gate_up(h);
+            // Not in place: gate is a column slice of the stacked product, and down's kernel takes contiguous rows.
+            hidden.add_(layer.down(at::silu(gate_up[0]).mul_(gate_up[1])));
+        }
+        return hidden;
+    }
+
+  private:
+    int64_t heads_, kv_heads_;
+    std::vector<Layer> layers_;
+};
