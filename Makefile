@@ -6,7 +6,7 @@ PROTO_SRC := $(wildcard protos/specdec/v1/*.proto)
 
 .PHONY: demo test test-quick protos up clean
 
-$(STAMP): pyproject.toml common/model_files.py common/quantized/kernels.cpp common/quantized/kernel_rows.h common/quantized/kernel_wide_tiles.h common/quantized/decoder_ops.h
+$(STAMP): pyproject.toml common/model_files.py common/quantized/kernels.cpp common/quantized/kernel_rows.h common/quantized/kernel_wide_tiles.h common/quantized/kernel_amx.h common/quantized/decoder_ops.h common/quantized/decoder_layers.h
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first, so that no dependency pulls a CUDA build.

@@ -75,3 +75,16 @@ def test_the_image_copies_every_package_the_project_installs():
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     copied = {line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ")}
     assert folders <= copied, f"docker/Dockerfile does not COPY {sorted(folders - copied)}"
+
+
+def test_every_file_the_kernels_build_from_ships_with_the_package_and_rebuilds_the_install():
+    import tomllib
+
+    from common.quantized.kernels import HEADERS, SOURCE
+
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["common"]
+    stamp_rule = next(line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("$(STAMP):"))
+    for path in (SOURCE, *HEADERS):
+        relative = path.relative_to(ROOT)
+        assert str(path.relative_to(ROOT / "common")) in package_data, f"pyproject.toml's package data lacks {relative}"
+        assert str(relative) in stamp_rule.split(), f"the Makefile's install stamp does not depend on {relative}"
