@@ -30,7 +30,7 @@ from bench.runner import grpc_run, load_prompts, machine_description, rotated, r
 from common.model_specs import gguf_path, split_variant
 from common.models import load_model
 from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, default_draft_for, free_port, model_draft_for
+from coordinator.cluster import MODEL_FREE_DRAFT_IN_COORDINATOR, Cluster, default_draft_for, free_port, model_draft_for
 from draft_worker.specs import is_ngram
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -173,6 +173,7 @@ def run_cluster_systems(
         port=free_port(),
         extra_worker_args=["--threads", str(config.threads)],
         log_dir=logs,
+        local_draft=MODEL_FREE_DRAFT_IN_COORDINATOR,  # as the default deployment runs a model-free draft
     )
     cluster.start()
     rows, concurrent = [], []

@@ -85,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--no-http", action="store_true", help="serve the gRPC API only")
     up.add_argument(
-        "--local-draft",
+        "--draft-worker",
         action="store_true",
-        help="run a model-free draft (ngram, suffix) in the coordinator, with no draft worker",
+        help="run a model-free draft (ngram, suffix) on a draft worker; by default it runs in the coordinator (a model "
+        "draft always has a worker)",
     )
     add_generate_parser(commands)
     commands.add_parser("demo", help="bring the cluster up, stream a few answers, report acceptance and speedup")
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             args.port,
             args.device,
             None if args.no_http else args.http_port,
-            args.local_draft,
+            not args.draft_worker,
         )
     if args.command == "generate":
         return run_generate(args)

@@ -22,6 +22,12 @@ from draft_worker.specs import is_model_free
 # step: although it agrees with 0.85-0.92 of the 1.5B's greedy code tokens, its rounds barely beat target-only
 # where they pay at all (docs/results.md), while prompt lookup drafts for free.
 DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b": DEFAULT_DRAFT_MODEL}
+# Where the default deployment (`specdec up`, `make demo`, the llama-cpp suite's default) runs a model-free draft:
+# in the coordinator. A draft worker adds an exchange to every round that asks it, including the asks that find no
+# proposal; with the gguf engine's 7-30 ms steps that no longer hides. Measured on the 1.5B, 8 clients, prompt
+# lookup, the two clusters alive at once and taken in turn: 1.07x the aggregate tokens/s of a draft worker (median
+# of 4 pairs, 0.95-1.17); on SmolLM2 (drafting suite) ahead or level at 1-16 clients (docs/results.md).
+MODEL_FREE_DRAFT_IN_COORDINATOR = True
 # The model draft of a target that has a sibling sharing its tokenizer (what the pair and llama-cpp benches compare).
 MODEL_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b#int8"}
 # Spins of an idle OpenMP thread before it sleeps, in workers that share the cores with another model worker.
@@ -205,7 +211,7 @@ def up(
     port: int,
     device: str = WorkerConfig.device,
     http_port: int | None = None,
-    local_draft: bool = False,
+    local_draft: bool = MODEL_FREE_DRAFT_IN_COORDINATOR,
 ) -> int:
     cluster = Cluster(target_model, draft_model, port, device=device, http_port=http_port, local_draft=local_draft)
     stop = []

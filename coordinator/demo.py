@@ -4,7 +4,7 @@ local cluster answering code questions, each answer streamed and then timed agai
 import time
 
 from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, default_draft_for
+from coordinator.cluster import MODEL_FREE_DRAFT_IN_COORDINATOR, Cluster, default_draft_for
 
 DEMO_TARGET = "qwen2.5-coder-1.5b"
 DEMO_PROMPTS = [
@@ -36,7 +36,8 @@ def run_demo(max_new_tokens: int = 80, target_model: str = DEMO_TARGET) -> int:
         flush=True,
     )
     started = time.monotonic()
-    with Cluster(target_model, draft_model) as cluster, GenerationClient(cluster.address) as client:
+    cluster = Cluster(target_model, draft_model, local_draft=MODEL_FREE_DRAFT_IN_COORDINATOR)
+    with cluster, GenerationClient(cluster.address) as client:
         print(f"Cluster ready after {time.monotonic() - started:.0f} s.", flush=True)
         timed_generation(client, "Hello", None, 4, echo=False)  # warm-up
         rows = []

@@ -114,3 +114,30 @@ def test_a_coordinator_with_a_bad_local_draft_refuses_to_start_naming_the_flag(f
     command = [sys.executable, "-m", "cli", "serve", "coordinator", "--target", "localhost:1", "--port", "0", *flags]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr
+
+
+@pytest.mark.parametrize("argv,local", [(["up"], True), (["up", "--draft-worker"], False)])
+def test_specdec_up_runs_a_model_free_draft_in_the_coordinator_unless_asked_for_a_draft_worker(monkeypatch, argv, local):
+    import coordinator.cluster
+    from cli.main import main
+
+    built = []
+
+    class Started(Exception):
+        pass
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+
+        def start(self):
+            raise Started
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(coordinator.cluster, "Cluster", Recorder)
+    monkeypatch.setattr(coordinator.cluster.signal, "signal", lambda *args: None)  # keep pytest's SIGTERM handler
+    with pytest.raises(Started):
+        main(argv)
+    assert [kwargs["local_draft"] for kwargs in built] == [local]
