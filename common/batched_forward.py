@@ -58,11 +58,14 @@ class GrowableLayer(DynamicLayer):
     # each session in it, and making both views there cost about 1.5 ms of a 95 ms pass of 8 sessions of the 1.5B
     # on the gguf engine, which never reads them (measured). Without live buffers (before the first pass, after a
     # reset) they are what was last assigned, as in DynamicLayer.
+    def filled(self, buffer_name: str, assigned: torch.Tensor | None) -> torch.Tensor | None:
+        buffer = self.__dict__.get(buffer_name)
+        live = buffer is not None and self.__dict__.get("is_initialized")
+        return buffer[:, :, : self.length] if live else assigned
+
     @property
     def keys(self) -> torch.Tensor | None:
-        buffer = self.__dict__.get("key_buffer")
-        live = buffer is not None and self.__dict__.get("is_initialized")
-        return buffer[:, :, : self.length] if live else self._keys
+        return self.filled("key_buffer", self._keys)
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -70,9 +73,7 @@ class GrowableLayer(DynamicLayer):
 
     @property
     def values(self) -> torch.Tensor | None:
-        buffer = self.__dict__.get("value_buffer")
-        live = buffer is not None and self.__dict__.get("is_initialized")
-        return buffer[:, :, : self.length] if live else self._values
+        return self.filled("value_buffer", self._values)
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:

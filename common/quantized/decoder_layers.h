@@ -13,17 +13,21 @@
 
 // One linear layer on a kernel: y = x W^T (+ bias), as QuantizedLinear.product.
 struct Linear {
-    enum class Kernel { q4k, q6k, q41, q80 } kernel;
+    enum class Kernel { q4k, q6k, q41, q80 } kernel;  // in the order of kKernels
     std::vector<torch::Tensor> w;  // the kernel's operands after the activations, in its order
     int64_t n, k;
     torch::Tensor bias;  // undefined where there is none
 
+    // Each kernel's name (PackedWeight.kernel) and how many weight tensors it takes.
+    static constexpr std::pair<const char*, size_t> kKernels[] = {{"q4k", 5}, {"q6k", 4}, {"q41", 3}, {"q80", 2}};
+
     Linear(const std::string& name, std::vector<torch::Tensor> tensors, int64_t n, int64_t k, c10::optional<torch::Tensor> bias)
         : w(std::move(tensors)), n(n), k(k), bias(bias.has_value() ? *bias : torch::Tensor()) {
-        const size_t operands = name == "q4k" ? 5 : name == "q6k" ? 4 : name == "q41" ? 3 : name == "q80" ? 2 : 0;
-        TORCH_CHECK(operands > 0, "no kernel named ", name);
-        TORCH_CHECK(w.size() == operands, name, " takes ", operands, " weight tensors, not ", w.size());
-        kernel = name == "q4k" ? Kernel::q4k : name == "q6k" ? Kernel::q6k : name == "q41" ? Kernel::q41 : Kernel::q80;
+        size_t i = 0;
+        while (i < std::size(kKernels) && name != kKernels[i].first) ++i;
+        TORCH_CHECK(i < std::size(kKernels), "no kernel named ", name);
+        TORCH_CHECK(w.size() == kKernels[i].second, name, " takes ", kKernels[i].second, " weight tensors, not ", w.size());
+        kernel = static_cast<Kernel>(i);
     }
 
     torch::Tensor operator()(const torch::Tensor& x) const {
