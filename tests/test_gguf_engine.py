@@ -92,7 +92,12 @@ def test_the_kernels_compute_without_holding_the_gil():
     until the product returned."""
     weight, _, _ = packed_slice(SMOLLM2, "blk.0.ffn_up.weight")
     layer = QuantizedLinear(weight)
-    x = torch.randn(16384, weight.in_features)  # a product of about 100 ms on 2 cores
+    x = torch.randn(16384, weight.in_features)  # a product of 25-100 ms on 2 cores, by machine
+    started = time.perf_counter()
+    layer.product(x)
+    # This thread's nap: a small part of the product, so that it wakes well before the product's middle on a fast
+    # machine too (a fixed 20 ms nap outlasted half of a 25 ms product, and the test failed with the GIL released).
+    nap = (time.perf_counter() - started) / 8
 
     def woke_during_a_product() -> bool:
         span = []
@@ -107,7 +112,7 @@ def test_the_kernels_compute_without_holding_the_gil():
         thread = threading.Thread(target=compute)
         thread.start()
         go.set()
-        time.sleep(0.02)  # the product starts meanwhile (this thread has let go of the GIL)
+        time.sleep(nap)  # the product starts meanwhile (this thread has let go of the GIL)
         woke = time.perf_counter()
         thread.join()
         started, ended = span
