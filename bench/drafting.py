@@ -7,8 +7,9 @@ a bug), so each answer repeats most of the one before it, including the lines th
 input-grounded workload is the bench's own input-grounded prompts (bench/prompts.json).
 
 Systems, greedy, auto gamma (or a fixed gamma given), each draft on a cluster of its own (the target worker the same
-model): target-only, prompt lookup (`ngram`), suffix trees (`suffix`: this request's text and the worker's recent
-outputs), and a model draft where the target has one. Per task the systems run in turn, each through all of the
+model): target-only, prompt lookup (`ngram`), suffix trees (`suffix`: this request's text and the recent outputs of
+the coordinator's requests), both run in the coordinator as the default deployment runs them, and a model draft
+where the target has one (on a draft worker). Per task the systems run in turn, each through all of the
 task's requests in order; a warm-up request per cluster (a prompt outside both workloads) is not counted. Reported
 per workload and system: tokens/s over all requests, the median per-request speedup over target-only, acceptance,
 accepted tokens per round, what proposed the drafting rounds, and whether every output equals target-only's.
@@ -93,7 +94,8 @@ def grounded_requests(quick: bool) -> list[list[dict]]:
 def systems(config: "DraftingConfig") -> dict[str, tuple[tuple[str, bool], int]]:
     """System -> (its cluster: the draft, and whether the coordinator runs it; gamma)."""
     gamma = config.gamma
-    out = {BASELINE: (("ngram", False), 0), "ngram": (("ngram", False), gamma), "suffix": (("suffix", False), gamma)}
+    # The model-free drafts run where the default deployment runs them: in the coordinator (coordinator.cluster).
+    out = {BASELINE: (("ngram", True), 0), "ngram": (("ngram", True), gamma), "suffix": (("suffix", True), gamma)}
     if config.draft_model:
         out[f"model ({config.draft_model})"] = ((config.draft_model, False), gamma)
     return out
@@ -240,6 +242,9 @@ def report(results: dict) -> str:
         "",
         f"target {config['target_model']} on {config['device']}, greedy, {gamma_text(config['gamma'])}, "
         f"at most {config['max_new_tokens']} new tokens; machine: {results['machine']['processor']}",
+        "",
+        "Prompt lookup and the suffix trees run in the coordinator, as the default deployment runs them; the model "
+        "draft on a draft worker.",
         "",
     ]
     for workload in ("editing", "input-grounded"):

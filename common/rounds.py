@@ -37,6 +37,11 @@ class Proposal:
     queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it
     handling_us: int = 0  # the worker's whole handling of the message (0: not measured, in process)
     source: DraftSource = DraftSource.NONE
+    # Per token, the proposer's uncalibrated estimate that the target accepts it once it accepted the tokens before
+    # it (suffix trees); empty where the proposer makes none. The coordinator calibrates it against verdicts and
+    # verifies the prefix expected to pay most (CostModelPolicy.trim). Deterministic proposals (q = 1) only: a
+    # length chosen from a sampled token's own value would bias the output (docs/design/round.md).
+    confidence: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -250,6 +250,8 @@ def gamma_policy_for(engine: GenerationEngine, params: GenerationParams, opening
         overhead_ms=speed.round_overhead.value if speed.round_overhead.value is not None else opening_overhead_ms,
         shared_overhead=speed.round_overhead,
         peers=lambda: engine.running - 1,
+        calibration=speed.calibration,
+        draft_traits=speed.draft_traits,
     )
 
 
@@ -515,6 +517,7 @@ class RequestRun:
                         self.pre_draft_gamma,
                         phases_under(round_span),
                         self.scored_ahead,
+                        self.policy.trim,
                     )
                     delta = self.commit(result)
                     if delta is not None:
@@ -553,7 +556,7 @@ class RequestRun:
             self.ready = truncated(self.ready, room)
         if not self.workers.has_draft or self.behind_only or self.ready is not None:
             return 0
-        return self.policy.choose(room)
+        return self.policy.ask(room)
 
     def decodes_ahead_after(self, gamma: int) -> bool:
         """Whether the target scores the next round's first token as soon as this round's verdict gives it
@@ -651,6 +654,8 @@ def learn(policy, result: RoundResult) -> None:
     )
     if result.pre is not None:
         policy.observe_draft(len(result.pre.token_ids) + 1, result.pre.compute_us, result.pre.batch_size)
+    if result.proposal is not None and result.proposal.confidence:
+        policy.observe_confidence(result.proposal.confidence, verdict.num_accepted)
 
 
 def exchange_costs(result: RoundResult, stats: RoundStats) -> tuple[int, int | None]:

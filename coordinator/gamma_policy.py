@@ -18,13 +18,22 @@ later than those that do not, and the batch waits for it.
 
 g = 0 (no speculation) is one of the choices, so a draft that keeps missing is not asked; its estimate drifts back
 to the prior while unused, which makes the session try again now and then.
+
+A model-free draft in this process that rates each token it proposes (Proposal.confidence: the suffix trees in the
+coordinator) is sized by its proposal instead: asked for all it may propose (ask), it returns a continuation whose
+tokens it rates one by one, and the round verifies the prefix with the most expected tokens per second (trim), each
+token's acceptance its confidence calibrated against the deployment's verdicts (ConfidenceCalibration). One
+acceptance rate for every token of every proposal cannot tell a copy running on from a guess: on the editing
+workload's suffix proposals, offline, the first token was accepted 0.53-0.56 of the time and each later one
+0.90-0.99 once those before it were, and a match of twelve tokens or more 0.96-0.99 against 0.35 for one or two.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.acceptance import DecayedRate, expected_tokens
+from common.acceptance import ConfidenceCalibration, DecayedRate, expected_tokens
 from common.cost_curve import cheapest_rows, cost_at
+from common.rounds import Proposal
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
@@ -105,6 +114,20 @@ def deployment_acceptance() -> AcceptanceEstimate:
 
 
 @dataclass
+class DraftTraits:
+    """What the draft's proposals have shown of it: whether it rates its tokens (Proposal.confidence) and whether it
+    runs in this process (nothing to pay for asking it). Shared by a coordinator's requests (MeasuredSpeed), so that
+    a request sizes its first round as the ones before it learned to."""
+
+    rates_tokens: bool = False
+    in_process: bool = False
+
+    def observe(self, proposal: Proposal) -> None:
+        if proposal.token_ids:  # an empty proposal (no match) shows neither
+            self.rates_tokens, self.in_process = bool(proposal.confidence), not proposal.bytes_sent
+
+
+@dataclass
 class MeasuredSpeed:
     """How fast the workers run as the rounds of every request measured it (measured over predicted), shared by
     all requests of one coordinator: a new request starts from what earlier ones saw rather than from the start-up
@@ -124,6 +147,9 @@ class MeasuredSpeed:
     # What a round pays beyond the target's work (its exchange and the coordinator): where a new request's
     # estimate starts (CostModelPolicy.overhead_ms).
     round_overhead: RunningMean = field(default_factory=RunningMean)
+    # What the draft's confidences are worth (a draft that rates its tokens): sparse per request, so shared.
+    calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)
+    draft_traits: DraftTraits = field(default_factory=DraftTraits)
 
     def request_acceptance(self, model_free: bool) -> AcceptanceEstimate:
         """A new request's estimate: from prior(model_free), which weighs as MODEL_PRIOR_WEIGHT drafted tokens for
@@ -150,6 +176,8 @@ class MeasuredSpeed:
         self.draft_scale = Scale()
         self.acceptance = deployment_acceptance()
         self.draft_exchange = RunningMean()
+        self.calibration = ConfidenceCalibration()
+        self.draft_traits = DraftTraits()
 
 
 @dataclass
@@ -169,6 +197,8 @@ class CostModelPolicy:
     draft_exchange: RunningMean = field(default_factory=RunningMean)  # per drafting round (MeasuredSpeed's)
     other_sessions: int = 0  # sessions batched with this one in the target's last forward pass
     peers: Callable[[], int] = lambda: 0  # requests of this coordinator running beside this one, now
+    calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)  # MeasuredSpeed's
+    draft_traits: DraftTraits = field(default_factory=DraftTraits)  # MeasuredSpeed's
 
     # The curve's look-ups by token count, computed once per count: choose() asks for every gamma every round.
     rows_for: dict[int, int] = field(default_factory=dict, repr=False)
@@ -207,11 +237,14 @@ class CostModelPolicy:
         """Drafting gamma tokens: gamma sequential passes of one token each."""
         return self.draft_scale.value * gamma * cost_at(self.draft_costs, 1) if gamma else 0.0
 
-    def rate(self, gamma: int, draft_hidden: bool = False) -> float:
+    def round_ms(self, gamma: int, draft_hidden: bool = False) -> float:
         # A round that drafts pays the draft's compute and its exchange; one that does not skips the draft worker.
         draft = 0.0 if draft_hidden or not gamma else self.draft_ms(gamma) + (self.draft_exchange.value or 0.0)
-        seconds = (draft + self.verify_ms(gamma + 1) + (self.overhead_ms or 0.0)) / 1e3
-        return expected_tokens(self.acceptance.value, gamma) / seconds if seconds > 0 else float(gamma + 1)
+        return draft + self.verify_ms(gamma + 1) + (self.overhead_ms or 0.0)
+
+    def rate(self, gamma: int, draft_hidden: bool = False) -> float:
+        ms = self.round_ms(gamma, draft_hidden)
+        return expected_tokens(self.acceptance.value, gamma) / (ms / 1e3) if ms > 0 else float(gamma + 1)
 
     def choose(self, limit: int, hidden_behind: int = 0) -> int:
         """The best gamma in [0, min(limit, max_gamma)]; ties go to the smaller one.
@@ -234,6 +267,39 @@ class CostModelPolicy:
         # target later than those that do not, and the batch waits for it (or runs without it).
         margin = BATCH_MARGIN if self.batched_with() else 1.000001
         return best if best_rate > self.rate(0) * margin else 0
+
+    def ask(self, limit: int) -> int:
+        """Tokens to ask the draft for up front. A model-free draft in this process that rates its tokens is asked
+        for all it may propose, every round (it costs nothing; trim then picks how many to verify). Otherwise as
+        choose: a model's tokens cost a pass each, and a draft worker's ask costs an exchange, which only the
+        session's acceptance rate prices (a rated proposal from a worker is verified as choose sized it, so that
+        the rate keeps learning; trimmed to nothing, it taught nothing and the worker was never asked again)."""
+        draft = self.draft_traits
+        if draft.rates_tokens and draft.in_process and not self.draft_costs:
+            return min(limit, self.max_gamma)
+        return self.choose(limit)
+
+    def trim(self, proposal: Proposal) -> int:
+        """How many of the proposal's tokens to verify: where it rates them, the prefix with the most expected
+        tokens per second of its round (drafting is done: only verification and overhead count), each token
+        accepted with its calibrated confidence once those before it were; 0 if none beats a round without them
+        (by BATCH_MARGIN in a shared batch, as in choose). Otherwise all of them: choose sized it (see ask)."""
+        self.draft_traits.observe(proposal)
+        if not (proposal.confidence and self.draft_traits.in_process):
+            return len(proposal.token_ids)
+        best, best_rate, expected, reach = 0, 0.0, 1.0, 1.0
+        for gamma, confidence in enumerate(proposal.confidence[: len(proposal.token_ids)], 1):
+            reach *= self.calibration.estimate(confidence)
+            expected += reach
+            rate = expected / max(self.round_ms(gamma, draft_hidden=True), 1e-6)
+            if rate > best_rate * 1.000001:
+                best, best_rate = gamma, rate
+        margin = BATCH_MARGIN if self.batched_with() else 1.000001
+        return best if best_rate > margin / max(self.round_ms(0), 1e-6) else 0
+
+    def observe_confidence(self, confidence: list[float], accepted: int) -> None:
+        """A verified proposal's confidences and how many of its tokens were accepted."""
+        self.calibration.observe(confidence, accepted)
 
     def observe(
         self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int
@@ -277,6 +343,15 @@ class FixedPolicy:
 
     def choose(self, limit: int, hidden_behind: int = 0) -> int:
         return min(self.gamma, limit)
+
+    def ask(self, limit: int) -> int:
+        return self.choose(limit)
+
+    def trim(self, proposal: Proposal) -> int:
+        return len(proposal.token_ids)
+
+    def observe_confidence(self, confidence: list[float], accepted: int) -> None:
+        pass
 
     def observe(
         self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int

@@ -105,6 +105,7 @@ async def speculation_round(
     next_gamma: Callable[[int], int] = lambda drafted: 0,
     phase: Phase = untraced,
     decode_ahead: bool = False,
+    trim: Callable[[Proposal], int] = lambda proposal: len(proposal.token_ids),
 ) -> RoundResult:
     """One round: draft gamma tokens (or take `ready`, drafted during the previous round), verify them in one target
     pass, and record what the draft must hear of next round.
@@ -113,6 +114,8 @@ async def speculation_round(
     assuming it accepts every drafted token (0: none).
     decode_ahead: the next round is not expected to draft; the target scores its first row at once (not with a
     pre-draft, whose proposal the next round would verify).
+    trim(proposal): how many of the proposal's tokens to verify (the gamma policy's, for a draft that rates them);
+    the draft hears of the rest as rejected.
     """
     t0 = time.perf_counter()
     proposal = exposed = ready
@@ -121,6 +124,9 @@ async def speculation_round(
             proposal = exposed = await workers.propose(*sync.take(), gamma, parent)
     elif ready is not None:
         exposed, gamma = None, len(ready.token_ids)
+    if proposal is not None:
+        proposal = truncated(proposal, trim(proposal))
+        exposed = proposal if exposed is not None else None
     t1 = time.perf_counter()
     drafted = proposal.token_ids if proposal else []
     g_next = next_gamma(len(drafted)) if workers.has_draft else 0
@@ -229,7 +235,12 @@ def round_split(result: RoundResult, wall_us: int) -> TimeSplit:
 def truncated(proposal: Proposal, room: int) -> Proposal:
     if len(proposal.token_ids) <= room:
         return proposal
-    return replace(proposal, token_ids=proposal.token_ids[:room], distributions=proposal.distributions[:room])
+    return replace(
+        proposal,
+        token_ids=proposal.token_ids[:room],
+        distributions=proposal.distributions[:room],
+        confidence=proposal.confidence[:room],
+    )
 
 
 def raise_if_cancelled() -> None:

@@ -232,6 +232,7 @@ class GrpcDraftSession(StreamSession):
             queue_us=proposal.timing.queue_us,
             handling_us=proposal.timing.handling_us,
             source=DRAFT_SOURCE_OF.get(proposal.source, DraftSource.NONE),
+            confidence=list(proposal.confidence),
         )
 
 

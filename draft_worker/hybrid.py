@@ -80,7 +80,7 @@ class HybridProposer(Proposer):
                 state.suffix.chain += found.token_ids
                 state.model.chain += found.token_ids  # cached by the model's next pass
                 state.last = ("suffix", drafted, found.score)
-                proposals[n] = deterministic_proposal(found.token_ids, assume_accepted, source)
+                proposals[n] = deterministic_proposal(found.token_ids, assume_accepted, source, found.confidence)
                 self.proposals_by_source[source] += 1
             else:
                 by_model.append(n)

@@ -105,14 +105,19 @@ def point_mass(token: int) -> SparseDistribution:
     return SparseDistribution(torch.tensor([token]), CERTAIN)
 
 
-def deterministic_proposal(found: list[int], assume_accepted: bool, source: DraftSource) -> Proposal:
+def deterministic_proposal(
+    found: list[int], assume_accepted: bool, source: DraftSource, confidence: list[float] | None = None
+) -> Proposal:
     """A model-free proposer's tokens as a proposal: with assume_accepted the first stands in for the target's
-    bonus token; every q is a point mass (the tokens were chosen without randomness, so q(x) = 1 is exact)."""
+    bonus token; every q is a point mass (the tokens were chosen without randomness, so q(x) = 1 is exact).
+    confidence: per token of found (Proposal.confidence), if the proposer estimates it."""
     proposal = Proposal([], [], source=source)
+    confidence = list(confidence or [])
     if assume_accepted:
         if not found:
             return proposal
-        proposal.assumed_token, found = found[0], found[1:]
+        proposal.assumed_token, found, confidence = found[0], found[1:], confidence[1:]
     proposal.token_ids = list(found)
+    proposal.confidence = confidence
     proposal.distributions = [point_mass(t) for t in found]
     return proposal

@@ -87,6 +87,7 @@ class DraftServicer(SessionStreamServicer):
                 timing=timing_to_proto(proposal.compute_us, proposal.sync_us, proposal.batch_size, queue_us=proposal.queue_us),
                 assumed_token_id=proposal.assumed_token,
                 source=DRAFT_SOURCES[proposal.source],
+                confidence=proposal.confidence,
             )
         )
 

@@ -105,7 +105,7 @@ class SuffixProposer(Proposer):
         for state, (num_tokens, assume_accepted) in zip(states, steps, strict=True):
             found, source = self.speculate(state, num_tokens + assume_accepted)
             state.chain += found.token_ids
-            proposals.append(deterministic_proposal(found.token_ids, assume_accepted, source))
+            proposals.append(deterministic_proposal(found.token_ids, assume_accepted, source, found.confidence))
         return proposals
 
     def close(self, state: SuffixDraftSession) -> None:

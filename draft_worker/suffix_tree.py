@@ -9,7 +9,12 @@ remain, as if they alone had been added.
 
 Speculating from a context: find its longest suffix that occurred before with a continuation (monotone in the
 length, so a binary search), then follow the most frequent child (ties: the most recently extended) while the
-path's probability, the product of count(child) / count(parent), stays above a floor.
+path's probability, the product of count(child) / count(parent), stays above a floor. Each token also gets a
+confidence, the proposer's uncalibrated estimate that the target accepts it once it accepted the tokens before it:
+count(child) / count(parent) times m / (m + 1), m the length of the text it follows that the tree holds (the match
+and the tokens proposed before it). The frequency alone says 1 for a continuation seen once after a match of one
+token; what the target accepted of such tokens grows with m (the suffix trees' proposals on the drafting suite's
+editing workload, offline: 0.35 of those at m < 3, 0.78-0.89 at 3-8, 0.96-0.99 at 12 and beyond).
 
 The nodes live in flat arrays and one dict keyed by (node, token) rather than in an object and a dict of children
 per node: a node costs 140-165 bytes (measured by tests/test_suffix.py), most of it the dict's entry.
@@ -17,7 +22,7 @@ per node: a node costs 140-165 bytes (measured by tests/test_suffix.py), most of
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NONE = -1
 TOKEN_BITS = 24  # token ids below 2^24: every vocabulary in use (the largest are ~2^18)
@@ -26,12 +31,14 @@ ROOT = 0
 
 @dataclass
 class Speculation:
-    """A continuation found in a tree: its tokens, the length of the context's suffix it followed, and its score
-    (the sum of the path's probabilities: the expected number of its tokens that the text goes on with)."""
+    """A continuation found in a tree: its tokens, the length of the context's suffix it followed, its score (the
+    sum of the path's probabilities: the expected number of its tokens that the text goes on with), and each
+    token's confidence (see the module's docstring)."""
 
     token_ids: list[int]
     match_length: int
     score: float
+    confidence: list[float] = field(default_factory=list)
 
 
 NO_SPECULATION = Speculation([], 0, 0.0)
@@ -175,18 +182,21 @@ class SuffixTree:
         if not length:
             return NO_SPECULATION
         limit = min(max_tokens, int(factor * length + 0.999999))
-        tokens, prob, score = [], 1.0, 0.0
+        tokens, confidence, prob, score = [], [], 1.0, 0.0
         while len(tokens) < limit:
             child = self.best[node]
             if child == NONE:
                 break
-            prob *= self.count[child] / self.count[node]
+            frequency = self.count[child] / self.count[node]
+            prob *= frequency
             if prob < min_prob:
                 break
+            held = length + len(tokens)
             tokens.append(self.token[child])
+            confidence.append(frequency * held / (held + 1))
             score += prob
             node = child
-        return Speculation(tokens, length, score)
+        return Speculation(tokens, length, score, confidence)
 
 
 class GlobalSuffixTree:

@@ -3,7 +3,7 @@ every choice made on a rate reads."""
 
 import pytest
 
-from common.acceptance import DecayedRate, expected_tokens
+from common.acceptance import ConfidenceCalibration, DecayedRate, expected_tokens
 
 
 def test_expected_tokens_count_the_accepted_drafts_and_the_targets_own_token():
@@ -26,3 +26,15 @@ def test_a_decayed_rate_starts_at_its_prior_and_follows_recent_evidence():
     assert rate.value == pytest.approx(10.5 / 16)
     rate.update(0, 0, decay=0.0)  # evidence forgotten at once: back to the prior
     assert rate.value == 0.5
+
+
+def test_a_calibration_starts_from_the_confidence_and_learns_what_tokens_of_that_confidence_are_worth():
+    calibration = ConfidenceCalibration()
+    assert calibration.estimate(0.95) == pytest.approx(0.95) and calibration.estimate(0.12) == pytest.approx(0.12)
+    for _ in range(50):  # tokens rated 0.9-1.0 rejected at once; the 0.1-0.2 token after each was never tested
+        calibration.observe([0.95, 0.15], accepted=0)
+    assert calibration.estimate(0.95) < 0.1 and calibration.estimate(0.92) < 0.1
+    assert calibration.estimate(0.15) == pytest.approx(0.15)
+    for _ in range(200):  # then accepted, and the token after them too
+        calibration.observe([0.95, 0.15], accepted=2)
+    assert calibration.estimate(0.95) > 0.5 and calibration.estimate(0.15) > 0.5

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from common.cost_curve import cheapest_rows, cost_at, nondecreasing
+from common.rounds import Proposal
 from common.model_runner import CALIBRATION_TOKENS, TorchRunner
 from common.sampling import SamplingParams
 from coordinator.config import CoordinatorConfig
@@ -278,3 +279,51 @@ def test_a_request_leaves_what_its_rounds_measured_for_the_next(target_model, dr
         assert engine.measured_speed.target_scale.value != 1.0 and engine.measured_speed.row_scales
 
     asyncio.run(run())
+
+
+def rated(confidence: list[float], bytes_sent: int = 0) -> Proposal:
+    """A model-free proposal of len(confidence) tokens rated so (bytes_sent 0: drafted in this process)."""
+    tokens = list(range(100, 100 + len(confidence)))
+    return Proposal(tokens, [None] * len(tokens), bytes_sent=bytes_sent, confidence=list(confidence))
+
+
+def test_a_rated_proposal_is_verified_as_far_as_its_calibrated_confidence_pays():
+    policy = policy_with(0.5)
+    # A pass over 8 rows costs less than one over 3 on this curve: a proposal all but certain is verified whole.
+    assert policy.trim(rated([0.99] * 7)) == 7
+    # A token the proposer doubts ends what is worth verifying, whatever follows it.
+    assert policy.trim(rated([0.99, 0.99, 0.99, 0.99, 0.01, 0.99, 0.99, 0.99])) == 4
+    assert policy.trim(rated([0.02] * 8)) == 0  # a guess: the round is a target step
+    # Without ratings the proposal is what choose asked for.
+    assert policy.trim(Proposal([1, 2, 3], [None] * 3)) == 3
+
+
+def test_rated_tokens_that_the_target_keeps_rejecting_stop_being_verified():
+    policy = policy_with(0.5)
+    assert policy.trim(rated([0.95] * 7)) == 7
+    for _ in range(40):
+        policy.observe_confidence([0.95] * 8, 0)
+    assert policy.trim(rated([0.95] * 8)) == 0
+    # Learned for the deployment: the next request's policy starts from it.
+    speed = MeasuredSpeed()
+    first = policy_with(0.5, calibration=speed.calibration)
+    for _ in range(40):
+        first.observe_confidence([0.95] * 8, 0)
+    assert policy_with(0.5, calibration=speed.calibration).trim(rated([0.95] * 8)) == 0
+
+
+def test_a_model_free_draft_that_rates_its_tokens_is_asked_for_all_it_may_propose_where_asking_is_free():
+    policy = policy_with(0.05)  # by its acceptance alone, not worth asking
+    assert policy.ask(100) == policy.choose(100) == 0
+    policy.trim(rated([0.9] * 3))  # rated, in this process
+    assert policy.ask(100) == 8 and policy.ask(5) == 5
+    policy.trim(Proposal([], []))  # no match this round: shows nothing of the draft
+    assert policy.ask(100) == 8
+    # Rated, from a draft worker: asking costs an exchange, priced by the acceptance rate, and what choose asked
+    # for is verified whole, so that the rate keeps learning.
+    assert policy.trim(rated([0.02] * 3, bytes_sent=120)) == 3
+    assert policy.ask(100) == 0
+    assert policy_with(0.9).ask(100) == 7  # unrated: as choose
+    model = policy_with(0.05, draft_costs=[(1, 20.0)])
+    model.trim(rated([0.9] * 3))  # a hybrid's suffix proposal: its model's tokens still cost a pass each
+    assert model.ask(100) == model.choose(100)

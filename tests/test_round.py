@@ -126,3 +126,13 @@ def test_round_split_in_process_has_no_handling():
     verdict = Verdict(0, 9, 0, [], compute_us=1000)
     split = round_split(RoundResult(0, None, None, verdict, [9], verify_rtt_us=1000), wall_us=1100)
     assert split.handling_us == 0 and split.network_us == 0 and split.coordinator_us == 100
+
+
+def test_a_round_verifies_the_part_of_the_proposal_its_trim_keeps_and_the_draft_hears_of_the_rest():
+    drafted = Proposal([11, 12, 13, 14], [None] * 4, confidence=[0.9, 0.8, 0.1, 0.9])
+    verdict = Verdict(num_accepted=2, next_token=99, rollback=0, draft_token_probs=[])
+    workers, sync = ScriptedWorkers([drafted], verdict), DraftSync()
+    result = asyncio.run(speculation_round(workers, sync, 4, trim=lambda proposal: 2))
+    assert workers.verified[0].token_ids == [11, 12] and workers.verified[0].confidence == [0.9, 0.8]
+    assert result.drafted == 2 and result.committed == [11, 12, 99]
+    assert sync.take() == (2, [99])  # the draft keeps two of its four tokens, then the target's

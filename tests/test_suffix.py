@@ -18,6 +18,7 @@ from coordinator.client import build_request
 from draft_worker.engine import DraftEngine
 from draft_worker.hybrid import HybridProposer
 from draft_worker.model_proposer import ModelProposer
+from draft_worker.proposer import deterministic_proposal
 from draft_worker.specs import is_model_free, split_hybrid
 from draft_worker.suffix import NODE_BYTES, SuffixProposer
 from draft_worker.suffix_tree import ROOT, GlobalSuffixTree, SuffixTree
@@ -276,3 +277,15 @@ def test_a_draft_worker_loads_the_proposer_its_model_spec_names():
     assert hybrid.batched and not suffix.batched and hybrid.forward_costs and not suffix.forward_costs
     with pytest.raises(InvalidArgument, match="model"):
         load_draft_engine(DraftWorkerConfig(model="suffix:depth=x"))
+
+
+def test_a_speculation_rates_each_token_by_its_frequency_and_the_length_of_text_it_follows():
+    tree = SuffixTree(depth=8)
+    tree.append(tree.cursor(), [1, 2, 3, 4, 1, 2, 3, 5])
+    found = tree.speculate([9, 1, 2], max_tokens=8, max_match=4, factor=2.0, min_prob=0.1)
+    # "1 2" matched (two tokens held): 3 always followed it; after "1 2 3" (three held) 4 and 5 once each, the
+    # later one first.
+    assert found.token_ids == [3, 5] and found.match_length == 2
+    assert found.confidence == pytest.approx([1.0 * 2 / 3, 0.5 * 3 / 4])
+    proposal = deterministic_proposal(found.token_ids, True, DraftSource.SUFFIX_REQUEST, found.confidence)
+    assert proposal.assumed_token == 3 and proposal.confidence == pytest.approx([0.375])

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import worker_pb2 as specdec_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/worker.proto\"\x86\x01\n\x11\x44raftSessionStart\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rmax_q_entries\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\"k\n\tDraftStep\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x1b\n\x13\x63ommitted_token_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61ssume_accepted\x18\x04 \x01(\x08\"\xe5\x01\n\x0c\x44raftRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.specdec.v1.DraftSessionStartH\x00\x12%\n\x04step\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftStepH\x00\x12\x41\n\rtrace_context\x18\x03 \x03(\x0b\x32*.specdec.v1.DraftRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\xe0\x01\n\rDraftProposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x35\n\rdistributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.specdec.v1.WorkerTiming\x12\x1d\n\x10\x61ssumed_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\'\n\x06source\x18\x05 \x01(\x0e\x32\x17.specdec.v1.DraftSourceB\x13\n\x11_assumed_token_id\"u\n\rDraftResponse\x12-\n\x07started\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.SessionStartedH\x00\x12-\n\x08proposal\x18\x02 \x01(\x0b\x32\x19.specdec.v1.DraftProposalH\x00\x42\x06\n\x04kind2\x94\x01\n\x0c\x44raftService\x12@\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12\x42\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x1b.specdec.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/worker.proto\"\x86\x01\n\x11\x44raftSessionStart\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rmax_q_entries\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\"k\n\tDraftStep\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x1b\n\x13\x63ommitted_token_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61ssume_accepted\x18\x04 \x01(\x08\"\xe5\x01\n\x0c\x44raftRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.specdec.v1.DraftSessionStartH\x00\x12%\n\x04step\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftStepH\x00\x12\x41\n\rtrace_context\x18\x03 \x03(\x0b\x32*.specdec.v1.DraftRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\xf4\x01\n\rDraftProposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x35\n\rdistributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.specdec.v1.WorkerTiming\x12\x1d\n\x10\x61ssumed_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\'\n\x06source\x18\x05 \x01(\x0e\x32\x17.specdec.v1.DraftSource\x12\x12\n\nconfidence\x18\x06 \x03(\x02\x42\x13\n\x11_assumed_token_id\"u\n\rDraftResponse\x12-\n\x07started\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.SessionStartedH\x00\x12-\n\x08proposal\x18\x02 \x01(\x0b\x32\x19.specdec.v1.DraftProposalH\x00\x42\x06\n\x04kind2\x94\x01\n\x0c\x44raftService\x12@\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12\x42\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x1b.specdec.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,9 +43,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_start=480
   _globals['_DRAFTREQUEST_TRACECONTEXTENTRY']._serialized_end=531
   _globals['_DRAFTPROPOSAL']._serialized_start=542
-  _globals['_DRAFTPROPOSAL']._serialized_end=766
-  _globals['_DRAFTRESPONSE']._serialized_start=768
-  _globals['_DRAFTRESPONSE']._serialized_end=885
-  _globals['_DRAFTSERVICE']._serialized_start=888
-  _globals['_DRAFTSERVICE']._serialized_end=1036
+  _globals['_DRAFTPROPOSAL']._serialized_end=786
+  _globals['_DRAFTRESPONSE']._serialized_start=788
+  _globals['_DRAFTRESPONSE']._serialized_end=905
+  _globals['_DRAFTSERVICE']._serialized_start=908
+  _globals['_DRAFTSERVICE']._serialized_end=1056
 # @@protoc_insertion_point(module_scope)

@@ -49,18 +49,20 @@ class DraftRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DraftSessionStart, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("token_ids", "distributions", "timing", "assumed_token_id", "source")
+    __slots__ = ("token_ids", "distributions", "timing", "assumed_token_id", "source", "confidence")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[_worker_pb2.SparseDistribution]
     timing: _worker_pb2.WorkerTiming
     assumed_token_id: int
     source: _worker_pb2.DraftSource
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_worker_pb2.SparseDistribution, _Mapping]]] = ..., timing: _Optional[_Union[_worker_pb2.WorkerTiming, _Mapping]] = ..., assumed_token_id: _Optional[int] = ..., source: _Optional[_Union[_worker_pb2.DraftSource, str]] = ...) -> None: ...
+    confidence: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_worker_pb2.SparseDistribution, _Mapping]]] = ..., timing: _Optional[_Union[_worker_pb2.WorkerTiming, _Mapping]] = ..., assumed_token_id: _Optional[int] = ..., source: _Optional[_Union[_worker_pb2.DraftSource, str]] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("started", "proposal")
