@@ -28,7 +28,7 @@ workload's suffix proposals, offline, the first token was accepted 0.53-0.56 of 
 0.90-0.99 once those before it were, and a match of twelve tokens or more 0.96-0.99 against 0.35 for one or two.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from common.acceptance import ConfidenceCalibration, DecayedRate, expected_tokens
@@ -258,9 +258,13 @@ class CostModelPolicy:
             # One extra pass drafts the assumed bonus token.
             fits = int(self.verify_ms(hidden_behind) / max(self.draft_ms(1), 1e-6)) - 1
             limit = min(limit, max(1, fits))
+        return self.best_paying((gamma, self.rate(gamma, draft_hidden)) for gamma in range(1, limit + 1))
+
+    def best_paying(self, rates: Iterable[tuple[int, float]]) -> int:
+        """Of (gamma, tokens per second) choices, the fastest gamma, ties going to the smaller one; 0 unless it is
+        faster than a round without drafting."""
         best, best_rate = 0, 0.0
-        for gamma in range(1, limit + 1):
-            rate = self.rate(gamma, draft_hidden)
+        for gamma, rate in rates:
             if rate > best_rate * 1.000001:
                 best, best_rate = gamma, rate
         # Batched with other sessions, a gain too small to measure is not taken: a session that drafts reaches the
@@ -283,19 +287,22 @@ class CostModelPolicy:
         """How many of the proposal's tokens to verify: where it rates them, the prefix with the most expected
         tokens per second of its round (drafting is done: only verification and overhead count), each token
         accepted with its calibrated confidence once those before it were; 0 if none beats a round without them
-        (by BATCH_MARGIN in a shared batch, as in choose). Otherwise all of them: choose sized it (see ask)."""
+        (by BATCH_MARGIN in a shared batch, as in choose). Otherwise all of them: choose sized it (see ask).
+        Records what the proposal shows of the draft (DraftTraits), which the next ask reads."""
         self.draft_traits.observe(proposal)
         if not (proposal.confidence and self.draft_traits.in_process):
             return len(proposal.token_ids)
-        best, best_rate, expected, reach = 0, 0.0, 1.0, 1.0
-        for gamma, confidence in enumerate(proposal.confidence[: len(proposal.token_ids)], 1):
-            reach *= self.calibration.estimate(confidence)
+        return self.best_paying(self.prefix_rates(proposal.confidence[: len(proposal.token_ids)]))
+
+    def prefix_rates(self, confidence: list[float]) -> Iterator[tuple[int, float]]:
+        """(gamma, tokens per second) of verifying each prefix of rated tokens, drafting done: E[tokens | gamma] is
+        1 + the sum over i <= gamma of the product of the calibrated confidences up to i."""
+        expected, reach = 1.0, 1.0
+        for gamma, value in enumerate(confidence, 1):
+            reach *= self.calibration.estimate(value)
             expected += reach
-            rate = expected / max(self.round_ms(gamma, draft_hidden=True), 1e-6)
-            if rate > best_rate * 1.000001:
-                best, best_rate = gamma, rate
-        margin = BATCH_MARGIN if self.batched_with() else 1.000001
-        return best if best_rate > margin / max(self.round_ms(0), 1e-6) else 0
+            ms = self.round_ms(gamma, draft_hidden=True)
+            yield gamma, expected / (ms / 1e3) if ms > 0 else expected
 
     def observe_confidence(self, confidence: list[float], accepted: int) -> None:
         """A verified proposal's confidences and how many of its tokens were accepted."""

@@ -118,15 +118,15 @@ async def speculation_round(
     the draft hears of the rest as rejected.
     """
     t0 = time.perf_counter()
-    proposal = exposed = ready
+    proposal = ready
     if ready is None and gamma > 0:
         with phase("draft", gamma, False) as parent:
-            proposal = exposed = await workers.propose(*sync.take(), gamma, parent)
+            proposal = await workers.propose(*sync.take(), gamma, parent)
     elif ready is not None:
-        exposed, gamma = None, len(ready.token_ids)
+        gamma = len(ready.token_ids)
     if proposal is not None:
         proposal = truncated(proposal, trim(proposal))
-        exposed = proposal if exposed is not None else None
+    exposed = proposal if ready is None else None  # drafted in this round, not behind the previous one
     t1 = time.perf_counter()
     drafted = proposal.token_ids if proposal else []
     g_next = next_gamma(len(drafted)) if workers.has_draft else 0
