@@ -6,18 +6,20 @@ requests, each carrying the original code and the changes asked so far (rename, 
 a bug), so each answer repeats most of the one before it, including the lines that no longer match the prompt. The
 input-grounded workload is the bench's own input-grounded prompts (bench/prompts.json).
 
-Systems, greedy, auto gamma (or a fixed gamma given), each draft on a cluster of its own (the target worker the same
-model): target-only, prompt lookup (`ngram`), suffix trees (`suffix`: this request's text and the recent outputs of
-the coordinator's requests), both run in the coordinator as the default deployment runs them, and a model draft
-where the target has one (on a draft worker). Per task the systems run in turn, each through all of the
-task's requests in order; a warm-up request per cluster (a prompt outside both workloads) is not counted. Reported
+Systems, greedy, auto gamma (or a fixed gamma given), each on a cluster of its own (the target worker the same model,
+with the default deployment's prefix cache, so that each system meets its own earlier prompts and never another's):
+target-only, prompt lookup (`ngram`), suffix trees (`suffix`: this request's text and the recent outputs of the
+coordinator's requests), both run in the coordinator as the default deployment runs them, and a model draft where
+the target has one (on a draft worker). Per task the systems run in turn, each through all of the task's requests in
+order; a warm-up request per cluster (a prompt outside both workloads) is not counted. Reported
 per workload and system: tokens/s over all requests, the median per-request speedup over target-only, acceptance,
 accepted tokens per round, what proposed the drafting rounds, and whether every output equals target-only's.
 
 The concurrency sweep: 1, 2, 4, 8, 16 clients sending at once (the bench's prompts in turn, 48 tokens each, as the
 performance suite's sweep), target-only against auto gamma with the model-free drafts on a draft worker and run in
 the coordinator (`--local-draft`, no exchange per round): aggregate tokens/s at each level against target-only's, in
-several passes with the systems' order rotated, reported as medians.
+several passes with the systems' order rotated, reported as medians. Its systems take turns on the same prompts, two
+to a cluster, so their targets keep no prefix cache (a later system would find its prompt cached by an earlier one).
 """
 
 import json
@@ -26,6 +28,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from bench.performance import wave
 from bench.runner import grpc_run, load_prompts, machine_description, rotated, run_to_dict
@@ -35,6 +38,7 @@ from coordinator.cluster import Cluster, free_port, model_draft_for
 TASKS_FILE = Path(__file__).with_name("editing_tasks.json")
 WARM_UP_PROMPT = "capital"  # in neither workload
 BASELINE = "target-only"
+NO_PREFIX_CACHE = "target-only, no prefix cache"  # what target-only costs without the default's prefix cache
 SWEEP_TOKENS = 48
 
 
@@ -91,24 +95,39 @@ def grounded_requests(quick: bool) -> list[list[dict]]:
     return [[p] for p in prompts[: 1 if quick else None]]
 
 
-def systems(config: "DraftingConfig") -> dict[str, tuple[tuple[str, bool], int]]:
-    """System -> (its cluster: the draft, and whether the coordinator runs it; gamma)."""
+class ClusterSpec(NamedTuple):
+    draft: str
+    local: bool  # the coordinator runs the (model-free) draft
+    prefix_cache: bool  # the target keeps one (the default deployment does)
+    owner: str = ""  # a system that gets a cluster of its own, the others' alike
+
+
+def systems(config: "DraftingConfig") -> dict[str, tuple[ClusterSpec, int]]:
+    """System -> (its cluster, gamma). Each system has a cluster of its own, with the default deployment's prefix
+    cache: an agent's next request repeats its last prompt, and each system then meets its own history, never
+    another system's (target-only's cluster runs prompt lookup it never uses)."""
     gamma = config.gamma
     # The model-free drafts run where the default deployment runs them: in the coordinator (coordinator.cluster).
-    out = {BASELINE: (("ngram", True), 0), "ngram": (("ngram", True), gamma), "suffix": (("suffix", True), gamma)}
+    out = {
+        BASELINE: (ClusterSpec("ngram", True, True, BASELINE), 0),
+        NO_PREFIX_CACHE: (ClusterSpec("ngram", True, False, NO_PREFIX_CACHE), 0),
+        "ngram": (ClusterSpec("ngram", True, True), gamma),
+        "suffix": (ClusterSpec("suffix", True, True), gamma),
+    }
     if config.draft_model:
-        out[f"model ({config.draft_model})"] = ((config.draft_model, False), gamma)
+        out[f"model ({config.draft_model})"] = (ClusterSpec(config.draft_model, False, True), gamma)
     return out
 
 
-def sweep_systems(config: "DraftingConfig") -> dict[str, tuple[tuple[str, bool], int]]:
+def sweep_systems(config: "DraftingConfig") -> dict[str, tuple[ClusterSpec, int]]:
+    """The sweep's systems take turns on the same prompts, two to a cluster: their targets keep no prefix cache."""
     gamma = config.gamma
     return {
-        BASELINE: (("ngram", False), 0),
-        "ngram": (("ngram", False), gamma),
-        "ngram, local": (("ngram", True), gamma),
-        "suffix": (("suffix", False), gamma),
-        "suffix, local": (("suffix", True), gamma),
+        BASELINE: (ClusterSpec("ngram", False, False), 0),
+        "ngram": (ClusterSpec("ngram", False, False), gamma),
+        "ngram, local": (ClusterSpec("ngram", True, False), gamma),
+        "suffix": (ClusterSpec("suffix", False, False), gamma),
+        "suffix, local": (ClusterSpec("suffix", True, False), gamma),
     }
 
 
@@ -116,12 +135,12 @@ def gamma_text(gamma: int) -> str:
     return "auto gamma" if gamma < 0 else f"gamma {gamma}"
 
 
-def run_workloads(config: DraftingConfig, clients: dict[tuple[str, bool], GenerationClient]) -> list[dict]:
+def run_workloads(config: DraftingConfig, clients: dict[ClusterSpec, GenerationClient]) -> list[dict]:
     runs = []
     warm_up = load_prompts([WARM_UP_PROMPT])[0]
-    for (draft, local), client in clients.items():
+    for spec, client in clients.items():
         grpc_run(client, "warm-up", warm_up, -1, 0.0, 0, 16)
-        print(f"drafting: warmed up the {draft}{' (local)' if local else ''} cluster", flush=True)
+        print(f"drafting: warmed up the cluster {spec}", flush=True)
     for repeat in range(1, config.repeats + 1):
         for workload, tasks in (("editing", editing_requests(config.quick)), ("input-grounded", grounded_requests(config.quick))):
             for task in tasks:
@@ -133,7 +152,7 @@ def run_workloads(config: DraftingConfig, clients: dict[tuple[str, bool], Genera
     return runs
 
 
-def concurrency_sweep(config: DraftingConfig, addresses: dict[tuple[str, bool], str]) -> list[dict]:
+def concurrency_sweep(config: DraftingConfig, addresses: dict[ClusterSpec, str]) -> list[dict]:
     """Each level: n clients start together, each sending requests_per_client requests one after another; the
     systems in turn at each level, in an order rotated from one level and pass to the next. One row per pass,
     system and level, its ratio against target-only's wave of the same pass and level."""
@@ -217,6 +236,10 @@ def analyse(runs: list[dict]) -> dict:
                 "tokens_per_round": tokens / rounds if rounds else 0.0,
                 # What proposed the drafting rounds: the hybrid's choices, the suffix trees' request and global shares.
                 "rounds_by_source": {s: sources.count(s) for s in sorted(set(sources))},
+                # Of the prompt tokens, those the target reused from its prefix cache (its last requests' prompts).
+                "prompt_reused": sum(r.get("cached_prompt_tokens", 0) for r in own)
+                / max(1, sum(r.get("prompt_tokens", 0) for r in own)),
+                "prefill_share": sum(r["split_us"].get("prefill_us", 0) for r in own) / max(1e-9, seconds * 1e6),
                 "identical_to_target_only": all(
                     r["token_ids"] == baseline[(r["prompt_id"], r["repeat"])]["token_ids"] for r in own
                 ),
@@ -244,7 +267,8 @@ def report(results: dict) -> str:
         f"at most {config['max_new_tokens']} new tokens; machine: {results['machine']['processor']}",
         "",
         "Prompt lookup and the suffix trees run in the coordinator, as the default deployment runs them; the model "
-        "draft on a draft worker.",
+        "draft on a draft worker. Each system has a target of its own, with the default prefix cache (prompt "
+        "reused: the share of prompt tokens it held; prefill share: of the requests' time).",
         "",
     ]
     for workload in ("editing", "input-grounded"):
@@ -255,19 +279,22 @@ def report(results: dict) -> str:
             f"## {workload}",
             "",
             "| system | requests | tokens/s | median speedup | speedup of totals | acceptance | accepted per round | "
-            "tokens per round | drafting rounds by source | identical |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "tokens per round | drafting rounds by source | prompt reused | prefill share | identical |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for system, row in rows.items():
             lines.append(
                 f"| {system} | {row['requests']} | {row['tokens_per_second']:.2f} | {row['median_speedup']:.2f} | "
                 f"{row['speedup_of_totals']:.2f} | {row['acceptance_rate']:.2f} | {row['accepted_per_round']:.2f} | "
-                f"{row['tokens_per_round']:.2f} | {sources_text(row['rounds_by_source'])} | {row['identical_to_target_only']} |"
+                f"{row['tokens_per_round']:.2f} | {sources_text(row['rounds_by_source'])} | "
+                f"{row.get('prompt_reused', 0):.0%} | {row.get('prefill_share', 0):.0%} | {row['identical_to_target_only']} |"
             )
         lines.append("")
     for key in ("suffix_over_ngram_speedup_editing", "suffix_over_ngram_speedup_grounded"):
         if key in analysis:
             lines.append(f"- {key.replace('_', ' ')}: {analysis[key]:.2f}")
+    if not results["concurrency"]:
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         f"## Concurrency: clients sending at once, {SWEEP_TOKENS} tokens each, {gamma_text(config['gamma'])}",
@@ -293,18 +320,27 @@ def report(results: dict) -> str:
 def run_drafting(config: DraftingConfig) -> Path:
     out = Path(config.output_root) / config.name
     out.mkdir(parents=True, exist_ok=True)
-    wanted = [cluster for cluster, _ in [*systems(config).values(), *sweep_systems(config).values()]]
+    sweeping = sweep_systems(config).values() if config.concurrency else []
+    wanted = [cluster for cluster, _ in [*systems(config).values(), *sweeping]]
     started = time.perf_counter()
     with ExitStack() as stack:
         clients, addresses = {}, {}
-        for i, (draft, local) in enumerate(dict.fromkeys(wanted)):
+        for i, spec in enumerate(dict.fromkeys(wanted)):
             logs = out / f"cluster-{i}"
             logs.mkdir(exist_ok=True)
-            cluster = Cluster(config.target_model, draft, free_port(), device=config.device, log_dir=logs, local_draft=local)
+            cluster = Cluster(
+                config.target_model,
+                spec.draft,
+                free_port(),
+                device=config.device,
+                log_dir=logs,
+                local_draft=spec.local,
+                prefix_cache=spec.prefix_cache,
+            )
             cluster.start()
             stack.callback(cluster.stop)
-            addresses[draft, local] = cluster.address
-            clients[draft, local] = stack.enter_context(GenerationClient(cluster.address))
+            addresses[spec] = cluster.address
+            clients[spec] = stack.enter_context(GenerationClient(cluster.address))
         print(f"drafting: {len(clients)} clusters up in {time.perf_counter() - started:.0f} s", flush=True)
         runs = run_workloads(config, clients)
         sweep = concurrency_sweep(config, addresses)

@@ -174,6 +174,9 @@ def run_cluster_systems(
         extra_worker_args=["--threads", str(config.threads)],
         log_dir=logs,
         local_draft=MODEL_FREE_DRAFT_IN_COORDINATOR,  # as the default deployment runs a model-free draft
+        # Target-only and auto take turns on each prompt: with a prefix cache the second would find it cached (the
+        # peers meet each prompt once per repeat and share only the chat template's opening with the last one).
+        prefix_cache=False,
     )
     cluster.start()
     rows, concurrent = [], []

@@ -137,7 +137,9 @@ async def split_cost(config: OverheadConfig, out: Path, progress: tqdm) -> dict:
     )
     chats = {p["id"]: target.tokenizer.render_chat([{"role": "user", "content": p["prompt"]}]) for p in prompts}
     runs = []
-    with Cluster(config.target_model, config.draft_model, free_port(), device=config.device, log_dir=out) as cluster:
+    with Cluster(
+        config.target_model, config.draft_model, free_port(), device=config.device, log_dir=out, prefix_cache=False
+    ) as cluster:
         with GenerationClient(cluster.address) as client:
             for repeat in range(config.repeats + 1):  # repeat 0 warms up and is not counted
                 for prompt in prompts:

@@ -128,7 +128,9 @@ def cluster_phase(config: PairConfig, prompts: list[dict], out: Path, progress: 
     )
     started = time.perf_counter()
     extra = ["--max-num-speculative-tokens", "8"]
-    cluster = Cluster(config.target_model, config.draft_model, free_port(), extra, device=config.device, log_dir=out)
+    cluster = Cluster(
+        config.target_model, config.draft_model, free_port(), extra, device=config.device, log_dir=out, prefix_cache=False
+    )
     cluster.start()
     try:
         start_seconds = time.perf_counter() - started

@@ -182,7 +182,9 @@ def run_performance(config: PerformanceConfig) -> Path:
     total = per_prompt * (len(prompts) * config.repeats + 1) + 2 * sum(config.concurrency) * config.requests_per_client
     progress = tqdm(total=total, desc="bench performance", unit="run")
     extra = ["--max-num-speculative-tokens", "8"]
-    with Cluster(config.target_model, config.draft_model, free_port(), extra, device=config.device, log_dir=out) as cluster:
+    with Cluster(
+        config.target_model, config.draft_model, free_port(), extra, device=config.device, log_dir=out, prefix_cache=False
+    ) as cluster:
         with GenerationClient(cluster.address) as client:
             schedule_runs = schedules(config, client, prompts, progress)
         sweep = concurrency(config, cluster.address, prompts, progress)
@@ -195,6 +197,7 @@ def run_performance(config: PerformanceConfig) -> Path:
         extra,
         device=config.device,
         log_dir=out / "overlap",
+        prefix_cache=False,
         target_args=["--cpus", "0", "--threads", "1"] if separate_cores else [],
         draft_args=["--cpus", "1", "--threads", "1"] if separate_cores else [],
     )

@@ -121,6 +121,7 @@ def run_prefill(config: PrefillConfig) -> Path:
             target_args=args,
             draft_args=args,
             log_dir=out,
+            prefix_cache=False,
         ) as cluster:
             alone = one_wave(cluster.address, config, with_long=False)
             for repeat in range(config.repeats):

@@ -80,6 +80,8 @@ class Run:
     split_us: dict = field(default_factory=dict)
     positions: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per round
     sources: list[str] = field(default_factory=list)  # per round, what proposed its tokens ("" when none drafted)
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, reused from the target's prefix cache
 
     @property
     def tokens_per_second(self) -> float:
@@ -152,6 +154,8 @@ def grpc_run(
         },
         [(r.drafted, r.accepted) for r in response.rounds],
         [str(DRAFT_SOURCE_OF.get(r.draft_source, "")) for r in response.rounds],
+        response.usage.prompt_tokens,
+        response.usage.cached_prompt_tokens,
     )
 
 
@@ -305,7 +309,9 @@ def run_bench(config: BenchConfig) -> Path:
         total=runs_per_prompt(config) * (len(load_prompts(config.prompt_ids)) * config.repeats + 1), desc="bench", unit="run"
     )
     extra = ["--max-num-speculative-tokens", str(max(config.gammas))]
-    with Cluster(config.target_model, config.draft_model, free_port(), extra, device=config.device, log_dir=out) as cluster:
+    with Cluster(
+        config.target_model, config.draft_model, free_port(), extra, device=config.device, log_dir=out, prefix_cache=False
+    ) as cluster:
         with GenerationClient(cluster.address) as client:
             measured = asyncio.run(measure(config, progress, client))
     progress.close()

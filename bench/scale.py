@@ -250,6 +250,7 @@ def throughput(config: ScaleConfig, targets: int, prompts: list[str], out: Path)
         log_dir=out / f"targets-{targets}",
         targets=targets,
         instance_args=split_cores(targets),
+        prefix_cache=False,
     )
     cluster.log_dir.mkdir(parents=True, exist_ok=True)
     with cluster:

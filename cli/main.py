@@ -68,6 +68,10 @@ def add_bench_parser(commands) -> None:
         "--gamma", type=int, help="drafting: the drafting systems' draft tokens per round (default: -1, auto gamma)"
     )
     bench.add_argument("--overlap-draft-model", help="performance: the model draft of the overlap runs (default: the suite's)")
+    bench.add_argument(
+        "--concurrency",
+        help="drafting: the sweep's client counts, comma-separated (default: 1,2,4,8,16); 'none' skips the sweep",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,9 +186,10 @@ def run_status(args) -> int:
 def run_bench_command(args) -> int:
     import time
 
-    if args.gamma is not None and args.suite != "drafting":
-        print("specdec bench: --gamma applies to --suite drafting only", file=sys.stderr)
-        return 2
+    for flag, value in (("--gamma", args.gamma), ("--concurrency", args.concurrency)):
+        if value is not None and args.suite != "drafting":
+            print(f"specdec bench: {flag} applies to --suite drafting only", file=sys.stderr)
+            return 2
     name = args.name or f"{'quick' if args.quick else 'full'}-{args.suite}-{time.strftime('%Y%m%d-%H%M%S')}"
     given = {
         key: getattr(args, key)
@@ -217,6 +222,8 @@ def run_bench_command(args) -> int:
 
         if args.gamma is not None:
             given["gamma"] = args.gamma
+        if args.concurrency is not None:
+            given["concurrency"] = [] if args.concurrency == "none" else [int(n) for n in args.concurrency.split(",")]
         out = run_drafting(DraftingConfig(name=name, quick=args.quick, **given))
     elif args.suite == "performance":
         from bench.performance import PerformanceConfig, run_performance

@@ -114,6 +114,28 @@ def clone_cache(cache: Cache) -> Cache:
     return copy
 
 
+def copy_prefix(source: Cache, target: Cache, length: int) -> None:
+    """Writes the keys and values of source's first `length` tokens into target, an empty session cache, in
+    buffers of target's own with room for its next tokens (common.prefix_cache)."""
+    for source_layer, layer in zip(source.layers, target.layers, strict=True):
+        keys, values = source_layer.key_buffer[:, :, :length], source_layer.value_buffer[:, :, :length]
+        layer.lazy_initialization(keys, values)
+        capacity = max(INITIAL_CAPACITY, 2 * length)
+        if layer.max_tokens is not None:
+            capacity = min(capacity, layer.max_tokens)
+        layer.reserve(keys, values, capacity)
+        layer.key_buffer[:, :, :length] = keys
+        layer.value_buffer[:, :, :length] = values
+        layer.set_length(length)
+
+
+def held_tokens(cache: Cache) -> int:
+    """The tokens a session cache's buffers have room for: the memory it takes, in tokens."""
+    layer = cache.layers[0] if cache.layers else None
+    buffer = getattr(layer, "key_buffer", None)
+    return buffer.shape[-2] if buffer is not None else 0
+
+
 class RaggedCache:
     """What the model sees as its cache during a batched pass: update() splits the packed keys and values by
     session, appends each part to its session's cache, and hands every session's full keys and values on to

@@ -198,6 +198,12 @@ class WorkerConfig:
         "most prompt tokens prefilled in one pass, all opening sessions together; a longer prompt runs in chunks "
         "between the other sessions' rounds, each of which it then delays by one chunk at most",
     )
+    prefix_cache_tokens: int = setting(
+        16384,
+        "KV-cache tokens of closed sessions kept for prompts that begin with their tokens (prefix caching; part of "
+        "the KV budget, given back to openings that need it); 0 turns it off. Only where a runner computes every row "
+        "alone (the gguf engine), so that a reused prefix holds the numbers a prefill would: exact",
+    )
     max_kv_tokens: int | None = setting(
         None,
         "KV-cache tokens all sessions may reserve together, each its prompt + new + drafted tokens (default: what 80%% "
@@ -214,6 +220,8 @@ class WorkerConfig:
 
     def __post_init__(self):
         check_token_given(self.worker_auth_token, "--worker-auth-token (SPECDEC_WORKER_AUTH_TOKEN)")
+        if self.prefix_cache_tokens < 0:
+            raise ConfigError(f"--prefix-cache-tokens must be at least 0, got {self.prefix_cache_tokens}")
         if self.max_prefill_tokens_per_pass < 1:
             raise ConfigError(f"--max-prefill-tokens-per-pass must be at least 1, got {self.max_prefill_tokens_per_pass}")
 

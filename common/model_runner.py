@@ -38,6 +38,13 @@ class ModelRunner(ABC):
     # bits between a 1-row and a 4-row pass.
     fixed_kernels: bool = False
 
+    @property
+    def rows_alone(self) -> bool:
+        """Whether a row's numbers are the same in any pass, alone or beside others, at any row count: a row may
+        then be scored ahead of its round (decode ahead), and a token's keys and values reused from a cache another
+        pass wrote (prefix caching), exactly."""
+        return self.batch_invariant and self.fixed_kernels
+
     def __init__(self, model: torch.nn.Module):
         self.model = model
         # Every forward of transformers' over the model (a torch pass, or generate on the gguf engine's layers)

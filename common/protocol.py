@@ -78,6 +78,8 @@ def worker_info(
         "max_sessions": sessions.max_sessions,
         "max_kv_tokens": sessions.max_kv_tokens or 0,
         "reserved_kv_tokens": sessions.reserved_kv_tokens,
+        "prefix_cache_tokens": sessions.spare.max_tokens if sessions.spare else 0,
+        "prefix_cache_held_tokens": sessions.spare.held if sessions.spare else 0,
         "forward_costs": forward_costs,
         **model,
     }

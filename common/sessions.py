@@ -4,9 +4,12 @@ import itertools
 import os
 import threading
 import time
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from common.errors import InvalidArgument, ResourceExhausted
+
+if TYPE_CHECKING:
+    from common.prefix_cache import PrefixCache
 
 S = TypeVar("S")
 
@@ -17,11 +20,15 @@ class SessionRegistry(Generic[S]):
     Each session reserves, at its opening, the most tokens it will hold (prompt, generated and drafted tokens);
     the reservations together never exceed max_kv_tokens, so the caches that grow into them always fit in the
     memory the budget was derived from (admission by KV tokens, as vLLM and TGI admit, not by session count alone).
+    Closed sessions' caches kept for reuse (common.prefix_cache) hold part of the budget until an opening needs it.
     """
 
-    def __init__(self, max_sessions: int, max_kv_tokens: int | None = None):
+    def __init__(self, max_sessions: int, max_kv_tokens: int | None = None, spare: "PrefixCache | None" = None):
         self.max_sessions = max_sessions
         self.max_kv_tokens = max_kv_tokens  # None: no budget (a model-free proposer with nothing to cache)
+        self.spare = spare  # what it holds is taken back, least recently used first, for the reservations
+        if spare is not None:
+            spare.room = self.unreserved_kv_tokens
         self.sessions: dict[str, S] = {}
         self.reserved: set[str] = set()  # ids whose prefill is pending
         self.kv_tokens: dict[str, int] = {}  # per session (pending or open): the tokens it reserved
@@ -46,6 +53,10 @@ class SessionRegistry(Generic[S]):
             if len(self.sessions) + len(self.reserved) >= self.max_sessions:
                 raise ResourceExhausted(f"worker holds its maximum of {self.max_sessions} sessions; retry later")
             reserved = sum(self.kv_tokens.values())
+            if budget is not None and self.spare is not None:
+                short = reserved + self.spare.held + kv_tokens - budget
+                if short > 0:
+                    self.spare.release(short)
             if budget is not None and reserved + kv_tokens > budget:
                 raise ResourceExhausted(
                     f"the session needs {kv_tokens} KV tokens and {budget - reserved} of this worker's {budget} are "
@@ -55,6 +66,11 @@ class SessionRegistry(Generic[S]):
             self.reserved.add(session_id)
             self.kv_tokens[session_id] = kv_tokens
             return session_id
+
+    def unreserved_kv_tokens(self) -> int | None:
+        """The budget's tokens no session reserves (None: no budget), kept caches' or free."""
+        with self._lock:
+            return None if self.max_kv_tokens is None else self.max_kv_tokens - sum(self.kv_tokens.values())
 
     def add(self, session_id: str, session: S) -> bool:
         """Adds a reserved session; False (and nothing added) when its reservation was released meanwhile."""

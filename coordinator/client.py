@@ -69,7 +69,11 @@ def response_to_dict(response: generation_pb2.GenerateResponse) -> dict:
         "text": response.text,
         "token_ids": list(response.token_ids),
         "finish_reason": FINISH_REASON_NAMES.get(response.finish_reason, "unspecified"),
-        "usage": {"prompt_tokens": response.usage.prompt_tokens, "completion_tokens": response.usage.completion_tokens},
+        "usage": {
+            "prompt_tokens": response.usage.prompt_tokens,
+            "completion_tokens": response.usage.completion_tokens,
+            "cached_prompt_tokens": response.usage.cached_prompt_tokens,
+        },
         "speculation": {
             "rounds": spec.rounds,
             "drafted_tokens": spec.drafted_tokens,

@@ -94,6 +94,9 @@ class Cluster:
     targets: int = 1
     drafts: int = 1  # 0: no draft worker, the coordinators run target-only
     local_draft: bool = False  # a model-free draft runs in each coordinator (--local-draft) instead of on draft workers
+    # False: the targets keep no prefix cache (--prefix-cache-tokens 0), for benchmarks whose systems take turns on
+    # the same prompts: the later ones would find the prompt cached by the earlier.
+    prefix_cache: bool = True
     coordinators: int = 1
     instance_args: dict[str, list[str]] = field(default_factory=dict)  # by name, e.g. {"target-1": ["--cpus", "1"]}
     processes: list[subprocess.Popen] = field(default_factory=list)
@@ -156,7 +159,8 @@ class Cluster:
         draft_model = self.draft_model or default_draft_for(self.target_model)
         self.socket_dir = tempfile.mkdtemp(prefix="specdec-")
         self.addresses: dict[str, str] = {}
-        targets = [self.spawn_worker(n, self.target_model, self.target_args) for n in self.names("target", self.targets)]
+        target_args = self.target_args + ([] if self.prefix_cache else ["--prefix-cache-tokens", "0"])
+        targets = [self.spawn_worker(n, self.target_model, target_args) for n in self.names("target", self.targets)]
         local = self.local_draft and is_model_free(draft_model)
         drafts = [] if local else [self.spawn_worker(n, draft_model, self.draft_args) for n in self.names("draft", self.drafts)]
         pools = ["--target", ",".join(targets)] + (["--draft", ",".join(drafts)] if drafts else [])

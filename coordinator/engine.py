@@ -287,6 +287,7 @@ class RequestWorkers(RoundWorkers):
         self.reopened = 0  # target sessions reopened after a failure
         self.draft_reopens = 0  # draft sessions reopened after a failure
         self.fallback_reason = ""
+        self.cached_prompt_tokens = 0  # of the prompt, reused from the target's prefix cache at the first opening
 
     @property
     def committed(self) -> list[int]:
@@ -337,6 +338,8 @@ class RequestWorkers(RoundWorkers):
                     self.params.prompt_token_ids + committed, sampling, self.config.num_p_entries, parent, like, self.max_tokens
                 )
                 self.target = await asyncio.wait_for(opening, max(0.05, min(remaining, open_timeout)))
+                if not committed:
+                    self.cached_prompt_tokens = self.target.reused_tokens
                 return
             except (TimeoutError, Unavailable) as error:
                 last_error, attempts = error, attempts + 1
@@ -627,12 +630,14 @@ class RequestRun:
             time_split=self.totals,
             fallback_reason=self.workers.fallback_reason,
             overlap=self.overlap,
+            cached_prompt_tokens=self.workers.cached_prompt_tokens,
         )
 
     def result_attributes(self, result: GenerationResult) -> dict:
         """The root span's attributes of the finished request."""
         return {
             "gen_ai.usage.output_tokens": len(result.token_ids),
+            "specdec.cached_prompt_tokens": result.cached_prompt_tokens,
             "gen_ai.response.finish_reasons": [FINISH_REASON_NAMES.get(result.finish_reason, "unknown")],
             "gen_ai.response.model": self.engine.target.model_name,
             "specdec.rounds": len(self.rounds),

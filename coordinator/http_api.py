@@ -225,6 +225,7 @@ def usage_of(result: GenerationResult) -> dict:
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": result.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens},
     }
 
 

@@ -23,6 +23,7 @@ class InProcessTargetSession:
         self.engine = engine
         self.session, opened = call_in_context(parent, engine.open_session, prompt, params, num_p_entries, max_tokens)
         self.prefill_us = opened.compute_us
+        self.reused_tokens = opened.reused_tokens
         self.opening_overhead_us = 0  # no transport
         self.decodes_ahead = False  # in process there is no exchange for a pass to hide behind
 

@@ -149,7 +149,11 @@ def response_of(result: GenerationResult, include_rounds: bool = False) -> gener
         text=result.text,
         token_ids=result.token_ids,
         finish_reason=result.finish_reason,
-        usage=generation_pb2.Usage(prompt_tokens=result.prompt_tokens, completion_tokens=len(result.token_ids)),
+        usage=generation_pb2.Usage(
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=len(result.token_ids),
+            cached_prompt_tokens=result.cached_prompt_tokens,
+        ),
         speculation=generation_pb2.SpeculationStats(
             rounds=len(result.rounds),
             drafted_tokens=result.drafted_tokens,

@@ -104,6 +104,7 @@ class GenerationResult:
     time_split: TimeSplit
     fallback_reason: str = ""
     overlap: bool = False
+    cached_prompt_tokens: int = 0  # prompt tokens the target reused from its prefix cache
 
     @property
     def overlapped_rounds(self) -> int:

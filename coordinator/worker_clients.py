@@ -159,6 +159,7 @@ class GrpcTargetSession(StreamSession):
         response, _, _ = await self.exchange(target_pb2.VerifyRequest(start=start), parent)
         timing = response.started.timing
         self.prefill_us = timing.compute_us
+        self.reused_tokens = response.started.reused_tokens
         if not self.waited_for_ready:
             self.opening_overhead_us = max(0, elapsed_us(sent) - timing.compute_us - timing.queue_us)
         return self

@@ -37,6 +37,8 @@ class WorkerInfo:
     max_kv_tokens: int = 0  # the KV-token budget of all its sessions (see worker.proto)
     reserved_kv_tokens: int = 0
     decodes_ahead: bool = False  # a target that takes decode_ahead (see worker.proto)
+    prefix_cache_tokens: int = 0  # the most its prefix cache keeps (see worker.proto)
+    prefix_cache_held_tokens: int = 0
 
 
 class DraftSession(Protocol):
@@ -56,6 +58,7 @@ class DraftSession(Protocol):
 
 class TargetSession(Protocol):
     prefill_us: int
+    reused_tokens: int  # of the prompt, from the target's prefix cache (SessionStarted.reused_tokens)
     opening_overhead_us: int  # the opening's round trip beyond the worker's work and waiting
     # Its worker takes decode_ahead (GetInfoResponse.decodes_ahead). Asked of the session, not the deployment: a
     # pool may hold workers of other engines for a while (a rolling update), and one that refuses the flag would

@@ -65,7 +65,7 @@ class DraftEngine:
         self.name = name
         self.default_max_q_entries = default_max_q_entries
         budget = max_kv_tokens or kv_token_budget(proposer.kv_bytes_per_token, proposer.device)
-        self.sessions: SessionRegistry[DraftSessionHandle] = SessionRegistry(max_sessions, budget)
+        self.sessions: SessionRegistry[DraftSessionHandle] = SessionRegistry(max_sessions, budget, proposer.prefixes)
         self.metrics = WorkerMetrics("draft", self.sessions)
 
     @property

@@ -44,6 +44,7 @@ class HybridProposer(Proposer):
         self.kv_bytes_per_token = model.kv_bytes_per_token + suffix.kv_bytes_per_token
         self.check_prompt, self.check_tokens, self.describe = model.check_prompt, model.check_tokens, model.describe
         self.proposals_by_source: Counter[DraftSource] = Counter()  # what it chose, over the worker's life
+        self.prefixes = model.prefixes
 
     @property
     def forward_costs(self) -> list[tuple[int, float]]:
@@ -97,3 +98,4 @@ class HybridProposer(Proposer):
 
     def close(self, state: HybridDraftSession) -> None:
         self.suffix.close(state.suffix)
+        self.model.close(state.model)

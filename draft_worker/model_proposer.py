@@ -5,8 +5,10 @@ import torch
 
 from common.batched_forward import as_sampling_input
 from common.cached_sequence import CachedSequence, forward_batch
+from common.config import DraftWorkerConfig
 from common.model_runner import ModelRunner
 from common.loaded_model import LoadedModel
+from common.prefix_cache import PrefixCache
 from common.protocol import model_info
 from common.rounds import DraftSource, Proposal
 from common.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, truncate_probs
@@ -32,6 +34,7 @@ class ModelDraftSession:
         self.generator = make_generator(params.seed, "draft")
         self.max_q_entries = max_q_entries
         self.chain: list[int] = []
+        self.reused_tokens: int | None = None  # of its prompt, from the prefix cache (None: not looked up yet)
         self.start_step(0, False)
 
     @property
@@ -89,8 +92,15 @@ class ModelDraftSession:
 class ModelProposer(Proposer):
     batched = True
 
-    def __init__(self, loaded: LoadedModel, calibrate: bool = True):
+    def __init__(
+        self, loaded: LoadedModel, calibrate: bool = True, prefix_cache_tokens: int = DraftWorkerConfig.prefix_cache_tokens
+    ):
         self.loaded = loaded
+        # The draft's numbers never reach the output's distribution (q is whatever it sampled from), but a seeded
+        # request is reproducible only if they are the same with a kept prefix as without: the same rule as the
+        # target's (common.prefix_cache).
+        rows_alone = loaded.runner.rows_alone
+        self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and rows_alone else None
         self.vocab_size = loaded.vocab_size
         self.max_context_length = loaded.max_context_length
         self.kv_bytes_per_token = loaded.runner.kv_bytes_per_token
@@ -112,6 +122,8 @@ class ModelProposer(Proposer):
         return ModelDraftSession(self.loaded.runner, prompt, params, max_q_entries, max_tokens)
 
     def prefill(self, state: ModelDraftSession, max_tokens: int | None) -> bool:
+        if state.reused_tokens is None:
+            state.reused_tokens = self.prefixes.start_from(state.tokens, state.sequence.cache) if self.prefixes else 0
         return state.prefill(max_tokens)
 
     def observe(self, state: ModelDraftSession, num_accepted: int, committed: list[int]) -> None:
@@ -138,6 +150,10 @@ class ModelProposer(Proposer):
                     states[n].consume(rows[-1])
                 except Exception as error:  # noqa: BLE001 - fails this session's stream (and frees it), not the batch
                     failed[n] = error
+
+    def close(self, state: ModelDraftSession) -> None:
+        if self.prefixes is not None:
+            self.prefixes.keep(state.tokens, state.sequence.cache)
 
     def describe(self) -> dict:
         return model_info(self.loaded)

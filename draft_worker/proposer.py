@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from common.errors import InvalidArgument
+from common.prefix_cache import PrefixCache
 from common.rounds import DraftSource, Proposal
 from common.sampling import SamplingParams, SparseDistribution
 
@@ -56,6 +57,7 @@ class Proposer(ABC):
     max_context_length: int = MODEL_FREE_MAX_CONTEXT
     kv_bytes_per_token: int = 512  # what a token of a session's state costs (the KV budget's unit)
     device: str = "cpu"
+    prefixes: PrefixCache | None = None  # closed sessions' caches it keeps, in the worker's KV budget
 
     @property
     def forward_costs(self) -> list[tuple[int, float]]:

@@ -113,7 +113,8 @@ def load_proposer(config: DraftWorkerConfig) -> Proposer:
     if is_model_free(spec):
         return model_free_proposer(spec)
     suffix_spec, model_spec = split_hybrid(spec)
-    model = ModelProposer(load_model(model_spec, config.device, config.dtype, config.linear, config.engine))
+    loaded = load_model(model_spec, config.device, config.dtype, config.linear, config.engine)
+    model = ModelProposer(loaded, prefix_cache_tokens=config.prefix_cache_tokens)
     return HybridProposer(SuffixProposer.from_spec(suffix_spec), model) if suffix_spec else model
 
 

@@ -20,7 +20,6 @@ from common.cached_sequence import CachedSequence, forward_batch
 from common.config import WorkerConfig
 from common.cost_curve import cheapest_rows
 from common.memory import kv_token_budget
-from common.model_runner import ModelRunner
 from common.errors import FailedPrecondition, InvalidArgument
 from common.loaded_model import LoadedModel
 from common.protocol import model_info, worker_info
@@ -33,6 +32,7 @@ from common.sampling import (
     top_entries,
     verify_draft,
 )
+from common.prefix_cache import PrefixCache
 from common.sessions import SessionRegistry, session_reservation
 from common.telemetry import tracer
 from common.timing import elapsed_us
@@ -45,12 +45,6 @@ from common.validation import (
     check_sampling,
     check_token_ids,
 )
-
-
-def runs_ahead(runner: ModelRunner) -> bool:
-    """Whether a runner's rows are the same in any pass, alone or beside others: it may score a round's first row
-    ahead of the round."""
-    return runner.batch_invariant and runner.fixed_kernels
 
 
 @dataclass
@@ -68,7 +62,7 @@ class TargetSession:
         """Its next round's first row may be scored in a pass of its own: the same numbers as in the round's own
         pass only where a row's logits depend neither on the rows beside it nor on their count (what GetInfo's
         decodes_ahead says)."""
-        return runs_ahead(self.sequence.runner)
+        return self.sequence.runner.rows_alone
 
     @property
     def argmax_verdict(self) -> bool:
@@ -119,6 +113,7 @@ class PrefillCall:
     queued_at: float = 0.0  # set by the batcher
     queue_us: int = 0
     compute_us: int = 0  # of its chunks so far
+    reused_tokens: int | None = None  # of its prompt, copied from the prefix cache (None: not looked up yet)
 
 
 Call = VerifyCall | AheadCall | PrefillCall
@@ -130,6 +125,7 @@ class SessionOpened:
     cached_tokens: int
     compute_us: int
     queue_us: int = 0  # waiting in the worker beside its passes (for a batch, for the other chunks' turns)
+    reused_tokens: int = 0  # of the prompt, copied from a closed session's cache instead of computed
 
 
 class TargetEngine:
@@ -140,13 +136,16 @@ class TargetEngine:
         calibrate: bool = True,
         max_kv_tokens: int | None = WorkerConfig.max_kv_tokens,
         max_prefill_tokens: int = WorkerConfig.max_prefill_tokens_per_pass,
+        prefix_cache_tokens: int = WorkerConfig.prefix_cache_tokens,
     ):
         self.loaded, self.runner = loaded, loaded.runner
         self.max_prefill_tokens = max_prefill_tokens
         self.forward_costs = self.runner.cost_curve(loaded.vocab_size) if calibrate else []
+        # Only where a token's keys and values are the same whichever pass computed them (common.prefix_cache).
+        self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and self.runner.rows_alone else None
         # After the calibration, whose caches are gone by now: the budget is of the memory left to sessions.
         budget = max_kv_tokens or kv_token_budget(self.runner.kv_bytes_per_token, str(loaded.device))
-        self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions, budget)
+        self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions, budget, self.prefixes)
         self.metrics = WorkerMetrics("target", self.sessions)
 
     def begin_session(
@@ -233,6 +232,8 @@ class TargetEngine:
         ready = self.checked(calls, results)
         if not ready:
             return results
+        for i in ready:
+            self.start_from_kept(calls[i])
         feeds = self.feeds([calls[i] for i in ready])
         batch_tokens = sum(len(f) for f in feeds)
         start = time.perf_counter()
@@ -279,6 +280,14 @@ class TargetEngine:
                 results[i] = error
         return ready
 
+    def start_from_kept(self, call: Call) -> None:
+        """An opening session's first pass starts from the longest prefix of its prompt a closed session left in
+        the prefix cache; its prefill then feeds only the rest."""
+        if not isinstance(call, PrefillCall) or call.reused_tokens is not None:
+            return
+        sequence = call.session.sequence
+        call.reused_tokens = self.prefixes.start_from(sequence.tokens, sequence.cache) if self.prefixes else 0
+
     def batch_of(
         self, calls: list[Call], ready: list[int], feeds: list[list[int]], batch_tokens: int
     ) -> tuple[list[int], tuple[list[CachedSequence], list[list[int]], list[int]]]:
@@ -305,7 +314,13 @@ class TargetEngine:
         if not self.sessions.add(call.session.session_id, call.session):
             return FailedPrecondition("the opening was abandoned")
         in_worker_us = int((time.monotonic() - call.queued_at) * 1e6) if call.queued_at else call.compute_us
-        return SessionOpened(call.session.session_id, sequence.cache_len, call.compute_us, max(0, in_worker_us - call.compute_us))
+        return SessionOpened(
+            call.session.session_id,
+            sequence.cache_len,
+            call.compute_us,
+            max(0, in_worker_us - call.compute_us),
+            call.reused_tokens or 0,
+        )
 
     def verified(
         self, call: VerifyCall, logits: torch.Tensor | None, span, forward_us: int, batch_size: int, batch_tokens: int
@@ -359,7 +374,12 @@ class TargetEngine:
         if isinstance(call, AheadCall):
             return tracer().start_span("target.decode_ahead", context=call.parent, attributes=batch)
         if isinstance(call, PrefillCall):
-            attributes = {"specdec.worker": "target", "specdec.prompt_tokens": len(call.session.sequence.tokens), **batch}
+            attributes = {
+                "specdec.worker": "target",
+                "specdec.prompt_tokens": len(call.session.sequence.tokens),
+                "specdec.reused_tokens": call.reused_tokens or 0,
+                **batch,
+            }
             return tracer().start_span("prefill", context=call.parent, attributes=attributes)
         return tracer().start_span(
             "target.verify", context=call.parent, attributes={"specdec.gamma": len(call.draft_tokens), **batch}
@@ -406,7 +426,8 @@ class TargetEngine:
         return Verdict(num_accepted, next_token, gamma - num_accepted, draft_token_probs, distributions, compute_us, sync_us)
 
     def close_session(self, session: TargetSession) -> None:
-        self.sessions.remove(session.session_id)
+        if self.sessions.remove(session.session_id) and self.prefixes is not None:
+            self.prefixes.keep(session.sequence.tokens, session.sequence.cache)
 
     def info(self) -> dict:
         loaded = self.loaded
@@ -417,5 +438,5 @@ class TargetEngine:
             loaded.max_context_length,
             self.sessions,
             self.forward_costs,
-            {**model_info(loaded), "decodes_ahead": runs_ahead(self.runner)},
+            {**model_info(loaded), "decodes_ahead": self.runner.rows_alone},
         )

@@ -37,6 +37,7 @@ class TargetServicer(SessionStreamServicer):
         started = worker_pb2.SessionStarted(
             session_id=opened.session_id,
             cached_tokens=opened.cached_tokens,
+            reused_tokens=opened.reused_tokens,
             timing=timing_to_proto(opened.compute_us, queue_us=opened.queue_us),
         )
         return session, target_pb2.VerifyResponse(started=started)
@@ -123,6 +124,7 @@ async def serve(config: WorkerConfig, options: ServerOptions) -> None:
             config.max_sessions,
             max_kv_tokens=config.max_kv_tokens,
             max_prefill_tokens=config.max_prefill_tokens_per_pass,
+            prefix_cache_tokens=config.prefix_cache_tokens,
         )
 
     await serve_worker(SERVICE, servicer, load_engine, config.model, options, config.worker_auth_token)

@@ -121,9 +121,10 @@ def test_quick_drafting_bench_compares_the_drafting_sources_on_both_workloads_an
     analysis = results["analysis"]
     for workload in ("editing", "input-grounded"):
         rows = analysis[workload]
-        assert set(rows) == {"target-only", "ngram", "suffix", f"model ({TARGET},noise=0.3)"}
+        no_cache = "target-only, no prefix cache"
+        assert set(rows) == {"target-only", no_cache, "ngram", "suffix", f"model ({TARGET},noise=0.3)"}
         assert all(row["identical_to_target_only"] for row in rows.values())
-        assert rows["target-only"]["drafted"] == 0 and rows["suffix"]["drafted"] > 0
+        assert rows["target-only"]["drafted"] == rows[no_cache]["drafted"] == 0 and rows["suffix"]["drafted"] > 0
     # Request k of a task asks for the first k changes of the same module: two requests, in order.
     editing_ids = [r["prompt_id"] for r in results["runs"] if r["workload"] == "editing" and r["system"] == "suffix"]
     assert editing_ids == ["inventory-1", "inventory-2"]
@@ -145,5 +146,6 @@ def test_the_drafting_bench_takes_auto_or_a_positive_gamma_and_only_the_drafting
     for bad in (0, -2):
         with pytest.raises(ValueError, match="gamma"):
             DraftingConfig(name="t", gamma=bad)
-    args = build_parser().parse_args(["bench", "--suite", "overhead", "--gamma", "3"])
-    assert run_bench_command(args) == 2
+    for flag, value in (("--gamma", "3"), ("--concurrency", "1,2")):
+        args = build_parser().parse_args(["bench", "--suite", "overhead", flag, value])
+        assert run_bench_command(args) == 2

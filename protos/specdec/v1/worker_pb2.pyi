@@ -76,21 +76,23 @@ class ForwardCost(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., milliseconds: _Optional[float] = ...) -> None: ...
 
 class SessionStarted(_message.Message):
-    __slots__ = ("session_id", "cached_tokens", "timing")
+    __slots__ = ("session_id", "cached_tokens", "timing", "reused_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cached_tokens: int
     timing: WorkerTiming
-    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ...) -> None: ...
+    reused_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("role", "model_name", "vocab_size", "tokenizer_fingerprint", "device", "dtype", "max_context_length", "active_sessions", "max_sessions", "eos_token_ids", "forward_costs", "engine", "max_kv_tokens", "reserved_kv_tokens", "decodes_ahead")
+    __slots__ = ("role", "model_name", "vocab_size", "tokenizer_fingerprint", "device", "dtype", "max_context_length", "active_sessions", "max_sessions", "eos_token_ids", "forward_costs", "engine", "max_kv_tokens", "reserved_kv_tokens", "decodes_ahead", "prefix_cache_tokens", "prefix_cache_held_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,8 @@ class GetInfoResponse(_message.Message):
     MAX_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODES_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     model_name: str
     vocab_size: int
@@ -121,4 +125,6 @@ class GetInfoResponse(_message.Message):
     max_kv_tokens: int
     reserved_kv_tokens: int
     decodes_ahead: bool
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., engine: _Optional[str] = ..., max_kv_tokens: _Optional[int] = ..., reserved_kv_tokens: _Optional[int] = ..., decodes_ahead: _Optional[bool] = ...) -> None: ...
+    prefix_cache_tokens: int
+    prefix_cache_held_tokens: int
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., engine: _Optional[str] = ..., max_kv_tokens: _Optional[int] = ..., reserved_kv_tokens: _Optional[int] = ..., decodes_ahead: _Optional[bool] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_held_tokens: _Optional[int] = ...) -> None: ...
