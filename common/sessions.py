@@ -53,15 +53,16 @@ class SessionRegistry(Generic[S]):
             if len(self.sessions) + len(self.reserved) >= self.max_sessions:
                 raise ResourceExhausted(f"worker holds its maximum of {self.max_sessions} sessions; retry later")
             reserved = sum(self.kv_tokens.values())
-            if budget is not None and self.spare is not None:
-                short = reserved + self.spare.held + kv_tokens - budget
-                if short > 0:
-                    self.spare.release(short)
             if budget is not None and reserved + kv_tokens > budget:
                 raise ResourceExhausted(
                     f"the session needs {kv_tokens} KV tokens and {budget - reserved} of this worker's {budget} are "
                     "free; retry later"
                 )
+            if budget is not None and self.spare is not None:
+                # Only for an opening that fits: one refused anyway must not empty the cache for nothing.
+                short = reserved + self.spare.held + kv_tokens - budget
+                if short > 0:
+                    self.spare.release(short)
             session_id = f"{self._prefix}-{next(self._ids)}"
             self.reserved.add(session_id)
             self.kv_tokens[session_id] = kv_tokens

@@ -33,6 +33,7 @@ class HybridDraftSession:
     chain = property(lambda self: self.model.chain)
     num_committed = property(lambda self: self.model.num_committed)
     max_tokens = property(lambda self: self.model.max_tokens)
+    reused_tokens = property(lambda self: self.model.reused_tokens)
 
 
 class HybridProposer(Proposer):

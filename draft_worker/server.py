@@ -63,7 +63,10 @@ class DraftServicer(SessionStreamServicer):
             engine.abandon(handle)
             raise
         started = worker_pb2.SessionStarted(
-            session_id=handle.session_id, cached_tokens=handle.state.cached, timing=timing_to_proto(handle.prefill_us)
+            session_id=handle.session_id,
+            cached_tokens=handle.state.cached,
+            timing=timing_to_proto(handle.prefill_us),
+            reused_tokens=getattr(handle.state, "reused_tokens", None) or 0,  # a model draft's, from its prefix cache
         )
         return handle, draft_pb2.DraftResponse(started=started)
 

@@ -232,8 +232,9 @@ class TargetEngine:
         ready = self.checked(calls, results)
         if not ready:
             return results
-        for i in ready:
-            self.start_from_kept(calls[i])
+        ready = [i for i in ready if self.started_from_kept(calls[i], results, i)]
+        if not ready:
+            return results
         feeds = self.feeds([calls[i] for i in ready])
         batch_tokens = sum(len(f) for f in feeds)
         start = time.perf_counter()
@@ -280,13 +281,19 @@ class TargetEngine:
                 results[i] = error
         return ready
 
-    def start_from_kept(self, call: Call) -> None:
+    def started_from_kept(self, call: Call, results: list, index: int) -> bool:
         """An opening session's first pass starts from the longest prefix of its prompt a closed session left in
-        the prefix cache; its prefill then feeds only the rest."""
+        the prefix cache; its prefill then feeds only the rest. False (its error in results) when the copy failed:
+        that opening fails, not the batch."""
         if not isinstance(call, PrefillCall) or call.reused_tokens is not None:
-            return
+            return True
         sequence = call.session.sequence
-        call.reused_tokens = self.prefixes.start_from(sequence.tokens, sequence.cache) if self.prefixes else 0
+        try:
+            call.reused_tokens = self.prefixes.start_from(sequence.tokens, sequence.cache) if self.prefixes else 0
+            return True
+        except Exception as error:  # noqa: BLE001 - e.g. no memory for the copy: this opening's failure alone
+            results[index] = error
+            return False
 
     def batch_of(
         self, calls: list[Call], ready: list[int], feeds: list[list[int]], batch_tokens: int

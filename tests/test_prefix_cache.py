@@ -162,10 +162,12 @@ def test_kept_caches_give_their_room_back_to_an_opening_and_limits_still_fail_cl
     first = registry.reserve(50)  # 50 + 90 kept > 100: the older kept cache goes
     assert prefixes.held == 30 and [e.tokens.tolist() for e in prefixes.entries] == [[4, 5, 6]]
     with pytest.raises(ResourceExhausted):
-        registry.reserve(60)  # even with nothing kept, 50 + 60 > 100
+        registry.reserve(60)  # even with nothing kept, 50 + 60 > 100: refused, and nothing evicted for it
+    assert prefixes.held == 30
+    registry.reserve(50)  # fits only without the kept cache
     assert prefixes.held == 0
     registry.release(first)
-    assert registry.unreserved_kv_tokens() == 100
+    assert registry.unreserved_kv_tokens() == 50
 
 
 def test_a_closing_session_is_kept_only_within_the_budget_its_reservation_freed(smollm2):
