@@ -36,7 +36,9 @@ def run_demo(max_new_tokens: int = 80, target_model: str = DEMO_TARGET) -> int:
         flush=True,
     )
     started = time.monotonic()
-    cluster = Cluster(target_model, draft_model, local_draft=MODEL_FREE_DRAFT_IN_COORDINATOR)
+    # Each prompt runs twice, with speculation and without: with a prefix cache the second run would find the
+    # prompt cached, and the comparison would be of prefill, not of decoding.
+    cluster = Cluster(target_model, draft_model, local_draft=MODEL_FREE_DRAFT_IN_COORDINATOR, prefix_cache=False)
     with cluster, GenerationClient(cluster.address) as client:
         print(f"Cluster ready after {time.monotonic() - started:.0f} s.", flush=True)
         timed_generation(client, "Hello", None, 4, echo=False)  # warm-up
