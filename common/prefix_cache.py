@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from common.batched_forward import copy_prefix, held_tokens
+from common.model_runner import ModelRunner
 
 
 @dataclass
@@ -49,8 +50,7 @@ class PrefixCache:
         self.room: Callable[[], int | None] = lambda: None
         self.entries: list[CachedPrefix] = []
         self.lock = threading.Lock()
-        self.hits = 0
-        self.reused_tokens = 0
+        self.hits = 0  # openings that started from a kept prefix
 
     @property
     def held(self) -> int:
@@ -84,7 +84,6 @@ class PrefixCache:
         copy_prefix(entry.cache, cache, length)
         with self.lock:
             self.hits += 1
-            self.reused_tokens += length
         return length
 
     def keep(self, tokens: list[int], cache: Cache) -> bool:
@@ -99,12 +98,13 @@ class PrefixCache:
             return False
         kept = torch.tensor(tokens[:length], dtype=torch.long)
         with self.lock:
-            for entry in self.entries:
-                if common_prefix_length(entry.tokens, kept) == length:
+            shared = [common_prefix_length(e.tokens, kept) for e in self.entries]
+            for entry, n in zip(self.entries, shared, strict=True):
+                if n == length:
                     entry.last_used = time.monotonic()
                     return False  # an entry already holds all of it
             # Entries that are prefixes of this one are of no more use.
-            self.entries = [e for e in self.entries if common_prefix_length(e.tokens, kept) < len(e.tokens)]
+            self.entries = [e for e, n in zip(self.entries, shared, strict=True) if n < len(e.tokens)]
             self.evict_locked(sum(e.held for e in self.entries) + held - limit)
             self.entries.append(CachedPrefix(kept, cache, held))
             return True
@@ -121,6 +121,7 @@ class PrefixCache:
             freed += self.entries.pop(0).held
         return freed
 
-    def clear(self) -> None:
-        with self.lock:
-            self.entries = []
+
+def prefix_cache_for(runner: ModelRunner, max_tokens: int) -> PrefixCache | None:
+    """A worker's prefix cache: only where the runner computes every row alone (see above), and not turned off."""
+    return PrefixCache(max_tokens) if max_tokens > 0 and runner.rows_alone else None

@@ -8,7 +8,7 @@ from common.cached_sequence import CachedSequence, forward_batch
 from common.config import DraftWorkerConfig
 from common.model_runner import ModelRunner
 from common.loaded_model import LoadedModel
-from common.prefix_cache import PrefixCache
+from common.prefix_cache import prefix_cache_for
 from common.protocol import model_info
 from common.rounds import DraftSource, Proposal
 from common.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, truncate_probs
@@ -97,10 +97,8 @@ class ModelProposer(Proposer):
     ):
         self.loaded = loaded
         # The draft's numbers never reach the output's distribution (q is whatever it sampled from), but a seeded
-        # request is reproducible only if they are the same with a kept prefix as without: the same rule as the
-        # target's (common.prefix_cache).
-        rows_alone = loaded.runner.rows_alone
-        self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and rows_alone else None
+        # request is reproducible only if they are the same with a kept prefix as without: the target's rule.
+        self.prefixes = prefix_cache_for(loaded.runner, prefix_cache_tokens)
         self.vocab_size = loaded.vocab_size
         self.max_context_length = loaded.max_context_length
         self.kv_bytes_per_token = loaded.runner.kv_bytes_per_token

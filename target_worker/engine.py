@@ -32,7 +32,7 @@ from common.sampling import (
     top_entries,
     verify_draft,
 )
-from common.prefix_cache import PrefixCache
+from common.prefix_cache import prefix_cache_for
 from common.sessions import SessionRegistry, session_reservation
 from common.telemetry import tracer
 from common.timing import elapsed_us
@@ -141,8 +141,7 @@ class TargetEngine:
         self.loaded, self.runner = loaded, loaded.runner
         self.max_prefill_tokens = max_prefill_tokens
         self.forward_costs = self.runner.cost_curve(loaded.vocab_size) if calibrate else []
-        # Only where a token's keys and values are the same whichever pass computed them (common.prefix_cache).
-        self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and self.runner.rows_alone else None
+        self.prefixes = prefix_cache_for(self.runner, prefix_cache_tokens)
         # After the calibration, whose caches are gone by now: the budget is of the memory left to sessions.
         budget = max_kv_tokens or kv_token_budget(self.runner.kv_bytes_per_token, str(loaded.device))
         self.sessions: SessionRegistry[TargetSession] = SessionRegistry(max_sessions, budget, self.prefixes)
