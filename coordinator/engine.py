@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
 from dataclasses import replace
 
 from opentelemetry import trace
@@ -219,6 +218,16 @@ def derived_seed(seed: int | None, generation: int, stream: str = "reopen") -> i
     return stream_seed(seed, f"{stream}:{generation}")
 
 
+def timings_choose_gamma(params: GenerationParams) -> bool:
+    """Whether the cost model chooses the request's gamma from measured speeds: auto, except with the heuristic
+    schedule, and except for seeded sampling. Gamma decides how the random streams are consumed, so a seeded
+    request must not let timings choose it, or the same seed would give different text on another replica or after
+    a restart."""
+    sampling = params.sampling
+    seeded = sampling.seed is not None and not sampling.greedy
+    return params.num_speculative_tokens < 0 and params.gamma_schedule != "heuristic" and not seeded
+
+
 def gamma_policy_for(engine: GenerationEngine, params: GenerationParams, opening_overhead_ms: float | None = None):
     """How a request chooses each round's gamma: the fixed gamma it asked for, the heuristic schedule, or (auto)
     the cost model over the workers' measured speeds. opening_overhead_ms: the target opening's transport, the
@@ -228,10 +237,7 @@ def gamma_policy_for(engine: GenerationEngine, params: GenerationParams, opening
         return FixedPolicy(gamma)
     if params.gamma_schedule == "heuristic":
         return HeuristicPolicy(DEFAULT_HEURISTIC_START, config.max_num_speculative_tokens)
-    sampling = params.sampling
-    if sampling.seed is not None and not sampling.greedy:
-        # Gamma decides how the random streams are consumed: a seeded request must not let timings choose it,
-        # or the same seed would give different text on another replica or after a restart.
+    if not timings_choose_gamma(params):
         return FixedPolicy(SEEDED_AUTO_GAMMA)
     draft, speed = engine.draft, engine.measured_speed
     return CostModelPolicy(
@@ -288,6 +294,11 @@ class RequestWorkers(RoundWorkers):
         self.draft_reopens = 0  # draft sessions reopened after a failure
         self.fallback_reason = ""
         self.cached_prompt_tokens = 0  # of the prompt, reused from the target's prefix cache at the first opening
+        # A model draft whose opening waits until the gamma policy first wants to draft (see defers_draft), and
+        # that opening while it runs behind the rounds, with the number of committed tokens it prefills.
+        self.deferred_draft = False
+        self.draft_opening: asyncio.Future | None = None
+        self.draft_opened_on = 0
 
     @property
     def committed(self) -> list[int]:
@@ -358,6 +369,8 @@ class RequestWorkers(RoundWorkers):
         use_draft = self.params.num_speculative_tokens != 0 and await self.engine.connect_draft()
         if self.params.num_speculative_tokens != 0 and not use_draft:
             self.fall_back("draft_unavailable" if self.engine.workers.has_draft else "no_draft_worker")
+        if use_draft and self.defers_draft():
+            self.deferred_draft, use_draft = True, False
         draft_opening = None
         if use_draft:
             draft_opening = asyncio.ensure_future(self.opening_draft([], self.params.sampling, parent))
@@ -376,6 +389,43 @@ class RequestWorkers(RoundWorkers):
                 raise
             except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
                 self.fall_back("draft_open_failed", error)
+
+    def defers_draft(self) -> bool:
+        """Whether the draft session opens only once the gamma policy first wants to draft, in the background, the
+        rounds running target-only until it is open: for a model draft (opening it prefills the prompt on the
+        draft worker) whose use the cost model decides. Opened with the target's, a model that the cost model
+        prices out (on a CPU, a draft costing half a target step) still cost every request its prefill: awaited
+        before the first round, and on cores shared with the target beside the target's own work (measured on the
+        Qwen 1.5B's editing loop with the 0.5B `#int8` as its draft: 1.0-1.4 s of the draft's prefill in each
+        request's opening against 0.3-0.7 s for the target's, and 0.79x target-only over the workload with two
+        tokens drafted in all). Not with overlap, whose pre-drafts begin with the first round."""
+        draft = self.engine.draft
+        return bool(draft and draft.forward_costs) and timings_choose_gamma(self.params) and not self.params.overlap
+
+    def begin_deferred_draft(self) -> None:
+        """Starts opening the deferred draft session on the prompt and the tokens committed so far (once)."""
+        if self.draft_opening is not None:
+            return
+        committed = list(self.committed)
+        self.draft_opened_on = len(committed)
+        self.root.add_event("draft.open", {"specdec.committed_tokens": len(committed)})
+        opening = self.opening_draft(committed, self.params.sampling, self.root_context)
+        self.draft_opening = asyncio.ensure_future(asyncio.wait_for(opening, self.draft_open_timeout(committed)))
+
+    def take_opened_draft(self) -> list[int] | None:
+        """The deferred draft session once its opening has finished: it becomes the request's draft, and the
+        tokens committed since the opening began (what it has not heard of) are returned. None while it is still
+        opening, or when it failed (the request goes on as after any failed draft)."""
+        opening = self.draft_opening
+        if opening is None or not opening.done():
+            return None
+        self.draft_opening, self.deferred_draft = None, False
+        try:
+            self.draft = opening.result()
+        except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
+            self.fall_back("draft_open_failed", error)
+            return None
+        return self.committed[self.draft_opened_on :]
 
     def draft_open_timeout(self, committed: list[int]) -> float:
         """The draft's round deadline, plus what its measured cost says the prompt's prefill needs (a model draft
@@ -452,9 +502,14 @@ class RequestWorkers(RoundWorkers):
         self.target_generation += 1
         await self.open_target(self.committed, parent, error, like=self.target)
 
-    def close(self) -> Awaitable[None]:
-        """Closes the sessions open now."""
-        return close_all(self.target, self.draft)
+    async def close(self) -> None:
+        """Closes the sessions open now, and one still opening."""
+        opening, self.draft_opening = self.draft_opening, None
+        late = []
+        if opening is not None:
+            opening.cancel()
+            late = await asyncio.gather(opening, return_exceptions=True)  # a session that opened meanwhile
+        await close_all(self.target, self.draft, *late)
 
 
 class RequestRun:
@@ -542,7 +597,7 @@ class RequestRun:
             await self.workers.open(parent)
         self.totals.prefill_us = elapsed_us(self.opened)
         self.policy = gamma_policy_for(self.engine, self.params, self.workers.target.opening_overhead_us / 1e3)
-        self.speculating = self.workers.has_draft
+        self.speculating = self.workers.has_draft or self.workers.deferred_draft
         self.overlap = self.params.overlap and self.speculating
         # With overlap a model draft drafts only behind verification: after a discarded pre-draft the target
         # verifies the pending token alone while the draft pre-drafts again (a model-free draft costs nothing
@@ -552,12 +607,24 @@ class RequestRun:
     async def prepare_round(self) -> int:
         """Readies the next round: a new draft session where the draft failed, the proposal drafted last round cut
         to the room left; returns how many tokens to draft up front (0: none, or `ready` is the proposal)."""
-        if self.speculating and not self.workers.has_draft and await self.workers.reopen_draft():
-            self.sync, self.ready = DraftSync(), None  # the new session holds every committed token
+        workers = self.workers
+        if self.speculating and not workers.has_draft:
+            if workers.deferred_draft:
+                unheard = workers.take_opened_draft()
+                if unheard is not None:
+                    self.sync, self.ready = DraftSync(), None
+                    self.sync.commit_unheard(unheard)
+            elif await workers.reopen_draft():
+                self.sync, self.ready = DraftSync(), None  # the new session holds every committed token
         room = self.output.remaining - 1
         if self.ready is not None:
             self.ready = truncated(self.ready, room)
-        if not self.workers.has_draft or self.behind_only or self.ready is not None:
+        if workers.deferred_draft:
+            # Not open yet: the first round the policy would draft opens it; rounds run target-only meanwhile.
+            if self.policy.ask(room) > 0:
+                workers.begin_deferred_draft()
+            return 0
+        if not workers.has_draft or self.behind_only or self.ready is not None:
             return 0
         return self.policy.ask(room)
 

@@ -1,0 +1,120 @@
+"""A model draft whose use the cost model decides opens only when the policy first wants to draft, in the background
+(RequestWorkers.defers_draft): a request that never drafts costs the draft worker nothing, and one that starts
+drafting later runs target-only until the draft session, prefilled with the prompt and every token committed so
+far, is open, with output identical to target-only's."""
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+
+import coordinator.engine
+from coordinator.gamma_policy import FixedPolicy
+from target_worker.engine import TargetEngine
+from tests.conftest import draft_engine_for, running_services, wait_async
+from tests.test_greedy_equivalence import PROMPTS, generate_ids
+
+AUTO = -1
+
+
+@dataclass
+class DraftsAfter(FixedPolicy):
+    """Asks for nothing in its first `after` rounds, then for `gamma` tokens a round."""
+
+    after: int = 0
+    asks: int = 0
+
+    def ask(self, limit: int) -> int:
+        self.asks += 1
+        return 0 if self.asks <= self.after else min(self.gamma, limit)
+
+
+def spy_on_openings(draft) -> list[int]:
+    """The prompt length of every session the draft engine begins."""
+    lengths, begin = [], draft.begin_session
+
+    def recording(prompt, *args, **kwargs):
+        lengths.append(len(prompt))
+        return begin(prompt, *args, **kwargs)
+
+    draft.begin_session = recording
+    return lengths
+
+
+def with_policy(monkeypatch, after: int | None) -> None:
+    """Auto requests get DraftsAfter(after) (None: a policy that never drafts) in place of the cost model."""
+    original = coordinator.engine.gamma_policy_for
+
+    def policy_for(engine, params, overhead=None):
+        if params.num_speculative_tokens != AUTO:
+            return original(engine, params, overhead)
+        return FixedPolicy(0) if after is None else DraftsAfter(3, after=after)
+
+    monkeypatch.setattr(coordinator.engine, "gamma_policy_for", policy_for)
+
+
+def test_a_model_draft_the_policy_never_wants_is_never_opened(target_model, draft_models, monkeypatch):
+    with_policy(monkeypatch, None)
+
+    async def run():
+        draft = draft_engine_for(draft_models, 0.0)
+        openings = spy_on_openings(draft)
+        async with running_services(TargetEngine(target_model), draft) as services:
+            ids, stats = await generate_ids(services.stub, PROMPTS[0], gamma=AUTO, max_new_tokens=16)
+            assert len(ids) == 16 and stats.drafted_tokens == 0 and not stats.fallback_reason
+            assert openings == []
+            # A fixed gamma still opens its draft with the target's, as before.
+            _, stats = await generate_ids(services.stub, PROMPTS[0], gamma=2, max_new_tokens=16)
+            assert stats.drafted_tokens > 0 and len(openings) == 1
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("after", [0, 5], ids=["first round", "sixth round"])
+def test_a_deferred_draft_opens_on_the_committed_tokens_and_keeps_the_output_target_only(
+    target_model, draft_models, monkeypatch, after
+):
+    async def run():
+        draft = draft_engine_for(draft_models, 0.0)
+        openings = spy_on_openings(draft)
+        async with running_services(TargetEngine(target_model), draft) as services:
+            for prompt in PROMPTS:
+                reference, _ = await generate_ids(services.stub, prompt, gamma=0, max_new_tokens=48)
+                await generate_ids(services.stub, prompt, gamma=2, max_new_tokens=4)  # opens on the prompt alone
+                with_policy(monkeypatch, after)
+                ids, stats = await generate_ids(services.stub, prompt, gamma=AUTO, max_new_tokens=48)
+                monkeypatch.undo()
+                assert ids == reference
+                # It speculated, with the identical draft: every drafted token accepted.
+                assert stats.drafted_tokens > 0 and stats.accepted_tokens == stats.drafted_tokens
+                assert not stats.fallback_reason
+                # One opening, on the prompt and the tokens of the `after` rounds that ran without it.
+                bare, deferred = openings[-2:]
+                assert deferred - bare == after
+        assert len(draft.sessions) == 0, "every draft session was closed"
+
+    asyncio.run(run())
+
+
+def test_a_request_that_ends_while_its_draft_opens_frees_the_draft_session(target_model, draft_models, monkeypatch):
+    with_policy(monkeypatch, 0)
+
+    async def run():
+        draft = draft_engine_for(draft_models, 0.0)
+        openings = spy_on_openings(draft)
+        prefill = draft.prefill_chunk
+
+        def slow_prefill(handle):
+            time.sleep(0.5)  # far longer than the request's few rounds of the tiny target
+            return prefill(handle)
+
+        draft.prefill_chunk = slow_prefill
+        async with running_services(TargetEngine(target_model), draft) as services:
+            ids, stats = await generate_ids(services.stub, PROMPTS[0], gamma=AUTO, max_new_tokens=4)
+            assert len(ids) == 4 and stats.drafted_tokens == 0
+            assert len(openings) == 1, "the opening began"
+            await wait_async(lambda: draft.sessions.reserved_kv_tokens == 0, 5.0, 0.05, "the draft session was not freed")
+            assert len(draft.sessions) == 0
+
+    asyncio.run(run())
