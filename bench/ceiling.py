@@ -6,8 +6,9 @@ workload, as tokens per round and as the decode speedup that the target's cost c
 over its tokens, plus the overhead beyond the pass, as a fraction of a step):
 
 - best copy: an oracle that at each position copies the longest run of the output that occurs anywhere earlier (the
-  prompt, the output so far, the earlier requests' outputs), found in hindsight, and verifies exactly that run. No
-  proposer that copies text can do better; one that must choose before seeing the answer does worse.
+  prompt and the output so far, the earlier requests' outputs), found in hindsight, and verifies exactly that run.
+  No proposer that copies text needs fewer rounds (what a round can copy never shrinks as the answer goes on, so the
+  longest copy each round is optimal); its cost is an estimate, not a bound, since a shorter round can cost less.
 - suffix, exact trim: the suffix proposer's proposals (the request's tree and the global one, as the coordinator
   runs them), each verified exactly as far as it will be accepted: the proposer's choices, with a perfect trim.
 - suffix, rated trim: verified as far as its (uncalibrated) confidences say pays, as `CostModelPolicy.trim` does.
@@ -45,6 +46,8 @@ def interpolated(costs: dict[int, float]) -> Callable[[int], float]:
     """A pass's cost over `rows` tokens, in steps (the 1-token pass is 1): linear between measured points, and on
     along the last segment's slope beyond them."""
     points = sorted(costs.items())
+    if 1 not in costs or len(points) < 2:
+        raise ValueError(f"a cost curve needs the 1-token pass and at least one more point, got {sorted(costs)}")
     step = costs[1]
 
     def cost(rows: int) -> float:
@@ -78,7 +81,8 @@ def best_copy_rounds(prompt: list[int], output: list[int], history: list[list[in
     """(rounds, cost in steps) of the best-copy oracle over one output."""
     rounds, spent, i = 0, 0.0, 0
     while i < len(output):
-        copied = min(longest_copy([*history, prompt, output[:i]], output[i : i + CAP]), len(output) - i - 1)
+        # The prompt and the answer so far as one text, as the request's suffix tree holds them (a run may span both).
+        copied = min(longest_copy([*history, prompt + output[:i]], output[i : i + CAP]), len(output) - i - 1)
         i, rounds, spent = i + copied + 1, rounds + 1, spent + cost(copied + 1) + OVERHEAD
     return rounds, spent
 
@@ -192,9 +196,13 @@ def main(argv: list[str] | None = None) -> None:
     from common.models import load_tokenizer
 
     results = json.loads(args.results.read_text())
-    curve = curve_of(results, args.costs)
+    try:
+        curve = curve_of(results, args.costs)
+        cost = interpolated(curve)
+    except ValueError as error:  # --costs that is not 1:MS,2:MS,... or too short a curve
+        raise SystemExit(f"python -m bench.ceiling: --costs: {error}") from None
     tokenizer = load_tokenizer(results["config"]["target_model"])
-    table = {workload: bounds(requests, interpolated(curve)) for workload, requests in requests_of(results, tokenizer).items()}
+    table = {workload: bounds(requests, cost) for workload, requests in requests_of(results, tokenizer).items()}
     sys.stdout.write(report(table, curve))
 
 

@@ -409,17 +409,22 @@ class RequestWorkers(RoundWorkers):
         committed = list(self.committed)
         self.draft_opened_on = len(committed)
         self.root.add_event("draft.open", {"specdec.committed_tokens": len(committed)})
-        opening = self.opening_draft(committed, self.params.sampling, self.root_context)
-        self.draft_opening = asyncio.ensure_future(asyncio.wait_for(opening, self.draft_open_timeout(committed)))
+        # No deadline of its own: each draft worker tried gets draft_open_timeout (opening_draft), and one that
+        # misses it is marked failed there, which an outer deadline of the same length would cut short.
+        self.draft_opening = asyncio.ensure_future(self.opening_draft(committed, self.params.sampling, self.root_context))
 
     def take_opened_draft(self) -> list[int] | None:
         """The deferred draft session once its opening has finished: it becomes the request's draft, and the
         tokens committed since the opening began (what it has not heard of) are returned. None while it is still
-        opening, or when it failed (the request goes on as after any failed draft)."""
+        opening, or when it failed: the request then goes on without a draft, as after a failed opening with the
+        target's (deferred_draft is False and there is no draft)."""
         opening = self.draft_opening
         if opening is None or not opening.done():
             return None
         self.draft_opening, self.deferred_draft = None, False
+        if opening.cancelled():  # its channel closed under it (a shutdown): a draft that failed to open
+            self.fall_back("draft_open_failed")
+            return None
         try:
             self.draft = opening.result()
         except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
@@ -614,6 +619,10 @@ class RequestRun:
                 if unheard is not None:
                     self.sync, self.ready = DraftSync(), None
                     self.sync.commit_unheard(unheard)
+                elif not workers.deferred_draft:
+                    # It failed to open: no speculation for the rest of the request, as when an opening with the
+                    # target's fails (reopening would prefill again in the foreground, what deferring avoids).
+                    self.speculating = False
             elif await workers.reopen_draft():
                 self.sync, self.ready = DraftSync(), None  # the new session holds every committed token
         room = self.output.remaining - 1

@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from bench.ceiling import CAP, Request, best_copy_rounds, bounds, interpolated, suffix_rounds
 from draft_worker.suffix import SuffixProposer
 
@@ -13,6 +15,8 @@ def test_costs_are_interpolated_in_steps_and_extrapolated_along_the_last_segment
     assert cost(1) == 1.0
     assert cost(3) == 39.0 / 28.0
     assert cost(12) == (80.0 + 4 * 8.0) / 28.0
+    with pytest.raises(ValueError, match="at least one more point"):
+        interpolated({1: 28.0})
 
 
 def test_the_best_copy_oracle_verifies_a_repeated_answer_in_rounds_of_the_cap():
@@ -43,10 +47,18 @@ def test_no_copying_proposer_needs_fewer_rounds_than_the_best_copy_oracle():
 def test_bounds_rank_the_oracle_first_and_add_prefill_end_to_end():
     rng = random.Random(3)
     code = [rng.randrange(50) for _ in range(80)]
-    requests = [Request([1, 2], code, 0.25), Request([1, 2, 3], code[:40] + [77] + code[40:], 0.25)]
+    # One request (the figures are medians over requests): an answer that repeats its prompt with one change.
+    requests = [Request(code, code[:40] + [77] + code[40:], 0.25)]
     table = bounds(requests, interpolated(CURVE))
     oracle, exact = table["best copy (oracle)"], table["suffix, exact trim"]
     assert oracle["tokens_per_round"] >= exact["tokens_per_round"] > 1.0
-    # End to end, a quarter of the time is prefill, which no draft shortens.
-    assert oracle["end_to_end"] < oracle["decode_speedup"]
-    assert oracle["end_to_end"] < 1 / 0.25
+    # End to end, a quarter of each request's time is prefill, which no draft shortens.
+    assert oracle["end_to_end"] == pytest.approx(1 / (0.25 + 0.75 / oracle["decode_speedup"]))
+
+
+def test_the_oracle_copies_runs_that_span_the_prompt_and_the_answer():
+    prompt, output = [5, 6, 7], [8, 9, 5, 6, 7, 8, 9, 1]
+    # 8 and 9 are new (a round each); then the text so far is 5 6 7 8 9, copied whole across the prompt's end, and
+    # the target adds the 1. Searching the prompt and the answer apart would copy 5 6 7 and need a fourth round.
+    rounds, _ = best_copy_rounds(prompt, output, [], interpolated(CURVE))
+    assert rounds == 3

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 import coordinator.engine
+from common.errors import InvalidArgument
+from coordinator.engine import RequestWorkers
 from coordinator.gamma_policy import FixedPolicy
 from target_worker.engine import TargetEngine
 from tests.conftest import draft_engine_for, running_services, wait_async
@@ -71,6 +73,31 @@ def test_a_model_draft_the_policy_never_wants_is_never_opened(target_model, draf
     asyncio.run(run())
 
 
+def spy_on_adoptions(monkeypatch) -> list[int]:
+    """How many committed tokens each adopted deferred draft had not heard of (those of the rounds that ran while it
+    opened)."""
+    unheard, take = [], RequestWorkers.take_opened_draft
+
+    def recording(self):
+        tokens = take(self)
+        if tokens is not None:
+            unheard.append(len(tokens))
+        return tokens
+
+    monkeypatch.setattr(RequestWorkers, "take_opened_draft", recording)
+    return unheard
+
+
+def slowed_prefill(draft, seconds: float) -> None:
+    prefill = draft.prefill_chunk
+
+    def slow(handle):
+        time.sleep(seconds)
+        return prefill(handle)
+
+    draft.prefill_chunk = slow
+
+
 @pytest.mark.parametrize("after", [0, 5], ids=["first round", "sixth round"])
 def test_a_deferred_draft_opens_on_the_committed_tokens_and_keeps_the_output_target_only(
     target_model, draft_models, monkeypatch, after
@@ -80,15 +107,21 @@ def test_a_deferred_draft_opens_on_the_committed_tokens_and_keeps_the_output_tar
         openings = spy_on_openings(draft)
         async with running_services(TargetEngine(target_model), draft) as services:
             for prompt in PROMPTS:
-                reference, _ = await generate_ids(services.stub, prompt, gamma=0, max_new_tokens=48)
+                reference, _ = await generate_ids(services.stub, prompt, gamma=0, max_new_tokens=160)
                 await generate_ids(services.stub, prompt, gamma=2, max_new_tokens=4)  # opens on the prompt alone
                 with_policy(monkeypatch, after)
-                ids, stats = await generate_ids(services.stub, prompt, gamma=AUTO, max_new_tokens=48)
+                unheard = spy_on_adoptions(monkeypatch)
+                # The opening takes long enough for target-only rounds to commit tokens it must then hear of.
+                slowed_prefill(draft, 0.05)
+                ids, stats = await generate_ids(services.stub, prompt, gamma=AUTO, max_new_tokens=160)
                 monkeypatch.undo()
+                del draft.prefill_chunk  # the engine's own method again
                 assert ids == reference
-                # It speculated, with the identical draft: every drafted token accepted.
+                # It speculated, with the identical draft: every drafted token accepted, so the draft's cache held
+                # the prompt, the tokens it opened on and those committed while it opened, in order.
                 assert stats.drafted_tokens > 0 and stats.accepted_tokens == stats.drafted_tokens
                 assert not stats.fallback_reason
+                assert len(unheard) == 1 and unheard[0] > 0
                 # One opening, on the prompt and the tokens of the `after` rounds that ran without it.
                 bare, deferred = openings[-2:]
                 assert deferred - bare == after
@@ -103,18 +136,39 @@ def test_a_request_that_ends_while_its_draft_opens_frees_the_draft_session(targe
     async def run():
         draft = draft_engine_for(draft_models, 0.0)
         openings = spy_on_openings(draft)
-        prefill = draft.prefill_chunk
-
-        def slow_prefill(handle):
-            time.sleep(0.5)  # far longer than the request's few rounds of the tiny target
-            return prefill(handle)
-
-        draft.prefill_chunk = slow_prefill
+        slowed_prefill(draft, 0.5)  # far longer than the request's few rounds of the tiny target
         async with running_services(TargetEngine(target_model), draft) as services:
             ids, stats = await generate_ids(services.stub, PROMPTS[0], gamma=AUTO, max_new_tokens=4)
             assert len(ids) == 4 and stats.drafted_tokens == 0
             assert len(openings) == 1, "the opening began"
             await wait_async(lambda: draft.sessions.reserved_kv_tokens == 0, 5.0, 0.05, "the draft session was not freed")
             assert len(draft.sessions) == 0
+
+    asyncio.run(run())
+
+
+def test_a_deferred_draft_that_fails_to_open_leaves_the_request_target_only_without_retrying(
+    target_model, draft_models, monkeypatch
+):
+    with_policy(monkeypatch, 2)
+
+    async def run():
+        draft = draft_engine_for(draft_models, 0.0)
+        openings = spy_on_openings(draft)
+        original = draft.proposer.check_prompt
+
+        def refuse(prompt):
+            original(prompt)
+            raise InvalidArgument("start.prompt_token_ids", "refused by the test")
+
+        draft.proposer.check_prompt = refuse
+        async with running_services(TargetEngine(target_model), draft) as services:
+            reference, _ = await generate_ids(services.stub, PROMPTS[1], gamma=0, max_new_tokens=24)
+            ids, stats = await generate_ids(services.stub, PROMPTS[1], gamma=AUTO, max_new_tokens=24)
+            assert ids == reference
+            assert stats.fallback_reason == "draft_open_failed" and stats.drafted_tokens == 0
+            # Tried once, in the background; never again in the foreground for the rest of the request.
+            assert len(openings) == 1
+            assert len(draft.sessions) == 0 and draft.sessions.reserved_kv_tokens == 0
 
     asyncio.run(run())

@@ -41,7 +41,10 @@ def test_finished_requests_free_both_sessions(target_model, draft_models):
 def test_cancelled_stream_frees_both_sessions(target_model, draft_models):
     async def run():
         async with running_services(TargetEngine(target_model), draft_engine_for(draft_models, 0.5)) as services:
-            call = services.stub.GenerateStream(build_request(PROMPT, max_new_tokens=2000, ignore_eos=True, temperature=0))
+            # A fixed gamma opens the draft session with the target's (under auto a model draft opens when first
+            # wanted: tests/test_deferred_draft.py frees one cancelled while it opens).
+            request = build_request(PROMPT, max_new_tokens=2000, ignore_eos=True, temperature=0, num_speculative_tokens=4)
+            call = services.stub.GenerateStream(request)
             await call.read()
             assert len(services.target.sessions) == 1 and len(services.draft.sessions) == 1
             call.cancel()
