@@ -458,8 +458,9 @@ class RequestWorkers(RoundWorkers):
         self.draft_reopens += 1
         sampling = replace(self.params.sampling, seed=derived_seed(self.params.sampling.seed, self.draft_reopens, "reopen-draft"))
         try:
-            opening = self.opening_draft(self.committed, sampling, self.root_context)
-            self.draft = await asyncio.wait_for(opening, self.draft_open_timeout(self.committed))
+            # No deadline of its own (as for a deferred opening): each draft worker tried gets draft_open_timeout,
+            # and one that misses it is marked failed, so that the next reopening does not pick it again.
+            self.draft = await self.opening_draft(self.committed, sampling, self.root_context)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
