@@ -409,8 +409,6 @@ class RequestWorkers(RoundWorkers):
         committed = list(self.committed)
         self.draft_opened_on = len(committed)
         self.root.add_event("draft.open", {"specdec.committed_tokens": len(committed)})
-        # No deadline of its own: each draft worker tried gets draft_open_timeout (opening_draft), and one that
-        # misses it is marked failed there, which an outer deadline of the same length would cut short.
         self.draft_opening = asyncio.ensure_future(self.opening_draft(committed, self.params.sampling, self.root_context))
 
     def take_opened_draft(self) -> list[int] | None:
@@ -440,7 +438,9 @@ class RequestWorkers(RoundWorkers):
 
     def opening_draft(self, committed: list[int], sampling, parent: Context):
         """Opens a draft session on the prompt and the committed tokens; each draft worker tried gets
-        draft_open_timeout to open it."""
+        draft_open_timeout to open it, and one that misses it is marked failed, so that a later opening does not
+        pick it again. The deferred opening and reopen_draft await it with no deadline of their own: an outer one
+        of the same length fires first and leaves the slow worker unmarked."""
         return self.engine.workers.open_draft(
             self.params.prompt_token_ids + committed,
             sampling,
@@ -458,8 +458,6 @@ class RequestWorkers(RoundWorkers):
         self.draft_reopens += 1
         sampling = replace(self.params.sampling, seed=derived_seed(self.params.sampling.seed, self.draft_reopens, "reopen-draft"))
         try:
-            # No deadline of its own (as for a deferred opening): each draft worker tried gets draft_open_timeout,
-            # and one that misses it is marked failed, so that the next reopening does not pick it again.
             self.draft = await self.opening_draft(self.committed, sampling, self.root_context)
         except asyncio.CancelledError:
             raise

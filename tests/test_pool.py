@@ -276,31 +276,34 @@ def test_pool_state_is_exported_as_metrics_and_shown_by_specdec_status(target_mo
     assert good.split()[2:5] == ["serving", "3", "3"] and "refused" in refused and "different tokenizers" in refused
 
 
-def test_a_failed_draft_session_is_reopened_on_the_other_draft_worker(target_model, draft_models):
-    from draft_worker.engine import DraftEngine
-    from draft_worker.model_proposer import ModelProposer
+@contextlib.asynccontextmanager
+async def draft_servers(draft_models, count: int):
+    """Model draft workers on loopback; yields (addresses, engines, servers)."""
     from draft_worker.server import SERVICE as DRAFT_SERVICE
     from draft_worker.server import DraftServicer
-    from tests.conftest import draft_spec
+    from tests.conftest import draft_engine_for
 
+    engines = [draft_engine_for(draft_models, 0.1) for _ in range(count)]
+    started = [await start_serving(DRAFT_SERVICE, DraftServicer(e), ServerOptions(host="127.0.0.1")) for e in engines]
+    try:
+        yield [f"127.0.0.1:{bound}" for _, _, bound in started], engines, [s for s, _, _ in started]
+    finally:
+        await asyncio.gather(*(server.stop(0) for server, _, _ in started))
+
+
+def test_a_failed_draft_session_is_reopened_on_the_other_draft_worker(target_model, draft_models):
     async def run():
-        drafts = [
-            await start_serving(
-                DRAFT_SERVICE,
-                DraftServicer(DraftEngine(ModelProposer(draft_models[0.1]), draft_spec(0.1))),
-                ServerOptions(host="127.0.0.1"),
-            )
-            for _ in range(2)
-        ]
-        draft_addresses = [f"127.0.0.1:{bound}" for _, _, bound in drafts]
-        async with target_servers(target_model) as (addresses, _, _):
+        async with (
+            draft_servers(draft_models, 2) as (draft_addresses, _, drafts),
+            target_servers(target_model) as (addresses, _, _),
+        ):
             workers = GrpcWorkers(addresses, draft_addresses, settings=FAST)
             engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target_model.tokenizer)
             try:
                 params = GenerationParams(
                     prompt_token_ids=[5, 6, 7], sampling=GREEDY, max_new_tokens=64, num_speculative_tokens=3, ignore_eos=True
                 )
-                run = await failing_mid_request(engine, params, workers.draft_pool, lambda m: drafts[draft_addresses.index(m)][0])
+                run = await failing_mid_request(engine, params, workers.draft_pool, lambda m: drafts[draft_addresses.index(m)])
                 result, member, other, placed_before = run.result, run.member, run.other, run.placed_before
                 assert result.fallback_reason == "draft_failed"
                 failed_at = next(i for i, r in enumerate(result.rounds) if r.drafted == 0)
@@ -308,7 +311,6 @@ def test_a_failed_draft_session_is_reopened_on_the_other_draft_worker(target_mod
                 assert other.placed == placed_before + 1 and member.health is Health.UNREACHABLE
             finally:
                 await workers.close()
-                await asyncio.gather(*(server.stop(0) for server, _, _ in drafts))
 
     asyncio.run(run())
 
@@ -316,60 +318,39 @@ def test_a_failed_draft_session_is_reopened_on_the_other_draft_worker(target_mod
 def test_a_draft_worker_too_slow_to_reopen_a_session_is_marked_failed_and_not_tried_again(target_model, draft_models):
     """The reopening's deadline is the one each draft worker gets in open_on_pool: a worker that misses it is marked
     failed there (an outer deadline of the same length cut it short, and the slow worker was tried on every reopen)."""
-    from draft_worker.engine import DraftEngine
-    from draft_worker.model_proposer import ModelProposer
-    from draft_worker.server import SERVICE as DRAFT_SERVICE
-    from draft_worker.server import DraftServicer
-    from tests.conftest import draft_spec
-
-    slow: list[bool] = []
-    openings: list[int] = []
-
-    def slowed_once_failing(engine: DraftEngine, index: int) -> DraftEngine:
-        """Once `slow` is set, each prefill takes far longer than the opening's deadline."""
-        prefill = engine.prefill_chunk
-
-        def prefill_chunk(handle):
-            if slow:
-                openings.append(index)
-                time.sleep(1.0)
-            return prefill(handle)
-
-        engine.prefill_chunk = prefill_chunk
-        return engine
+    from tests.test_deferred_draft import slowed_prefill, spy_on_openings
 
     async def run():
-        drafts = [
-            await start_serving(
-                DRAFT_SERVICE,
-                DraftServicer(slowed_once_failing(DraftEngine(ModelProposer(draft_models[0.1]), draft_spec(0.1)), i)),
-                ServerOptions(host="127.0.0.1"),
-            )
-            for i in range(2)
-        ]
-        draft_addresses = [f"127.0.0.1:{bound}" for _, _, bound in drafts]
+        async with (
+            draft_servers(draft_models, 2) as (draft_addresses, engines, drafts),
+            target_servers(target_model) as (addresses, _, _),
+        ):
+            openings: list[list[int]] = []
 
-        def stopping(address):
-            slow.append(True)  # the other draft worker is too slow from now on
-            return drafts[draft_addresses.index(address)][0]
+            def stopping(address):
+                # From now on every draft worker prefills far slower than the opening's deadline (0.3 s).
+                for draft in engines:
+                    openings.append(spy_on_openings(draft))
+                    slowed_prefill(draft, 1.0)
+                return drafts[draft_addresses.index(address)]
 
-        async with target_servers(target_model) as (addresses, _, _):
             # A failed member waits far longer than the request before it is polled back (each reopening would
             # otherwise find the slow worker healthy again).
             workers = GrpcWorkers(addresses, draft_addresses, settings=replace(FAST, retry_initial=30.0))
-            config = CoordinatorConfig(draft_timeout=0.3)
-            engine = await build_engine(workers, config, tokenizer=target_model.tokenizer)
+            engine = await build_engine(workers, CoordinatorConfig(draft_timeout=0.3), tokenizer=target_model.tokenizer)
             try:
                 params = GenerationParams(
                     prompt_token_ids=[5, 6, 7], sampling=GREEDY, max_new_tokens=64, num_speculative_tokens=3, ignore_eos=True
                 )
                 run = await failing_mid_request(engine, params, workers.draft_pool, stopping)
                 assert run.result.fallback_reason == "draft_failed"  # the first reason is kept
-                assert openings == [draft_addresses.index(run.other.address)], "the slow worker was tried once"
+                other = draft_addresses.index(run.other.address)
+                assert [len(lengths) for lengths in openings] == [int(i == other) for i in range(2)], (
+                    "the slow worker was tried once"
+                )
                 assert run.other.failures == 1, "marked failed for missing its deadline"
             finally:
                 await workers.close()
-                await asyncio.gather(*(server.stop(0) for server, _, _ in drafts))
 
     asyncio.run(run())
 
