@@ -226,10 +226,25 @@ def draft_step_seconds(draft_loaded, context: list[int], ngram: tuple[int, int] 
     return curve[1]
 
 
+def cpu_model() -> str:
+    """The CPU's model name and the vector extensions the kernels use (reports name the machine by it)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    first = info.split("\n\n")[0]  # the first processor's block
+    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+    name = fields.get("model name", platform.machine())
+    flags = set(fields.get("flags", "").split())
+    extensions = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if f in flags]
+    family, model = fields.get("cpu family", "?"), fields.get("model", "?")
+    return f"{name} (family {family} model {model}, {', '.join(extensions) or 'no AVX2'})"
+
+
 def machine_description() -> dict:
     return {
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

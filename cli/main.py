@@ -52,7 +52,7 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--output-root", help="results go to OUTPUT_ROOT/NAME (default: the suite's)")
     bench.add_argument(
         "--suite",
-        choices=["speedup", "performance", "pair", "overhead", "scale", "llama-cpp", "prefill", "drafting"],
+        choices=["speedup", "performance", "pair", "overhead", "scale", "llama-cpp", "prefill", "drafting", "roofline"],
         default="speedup",
         help="speedup: baselines, gamma and temperature sweeps, the analytic model; performance: schedules (auto, "
         "heuristic, fixed), concurrency sweep, overlap on separate cores; pair: a real draft/target pair against "
@@ -62,7 +62,9 @@ def add_bench_parser(commands) -> None:
         "llama-cpp: the gguf engine against llama.cpp on the same files and threads (cost curves, end to end); prefill: "
         "what a long prompt arriving mid-stream does to 4 streams' inter-token gaps, in one pass and chunked; drafting: "
         "target-only, prompt lookup, suffix trees and a model draft on an agent's editing loop and on input-grounded "
-        "prompts, and a concurrency sweep with the model-free drafts on a draft worker and in the coordinator",
+        "prompts, and a concurrency sweep with the model-free drafts on a draft worker and in the coordinator; roofline: "
+        "the gguf engine's kernels (each format, the attention, the whole pass) at 1-512 rows against the machine's "
+        "measured int8 peak and memory bandwidth, and where a pass's time goes",
     )
     bench.add_argument(
         "--gamma", type=int, help="drafting: the drafting systems' draft tokens per round (default: -1, auto gamma)"
@@ -225,6 +227,13 @@ def run_bench_command(args) -> int:
         if args.concurrency is not None:
             given["concurrency"] = [] if args.concurrency == "none" else [int(n) for n in args.concurrency.split(",")]
         out = run_drafting(DraftingConfig(name=name, quick=args.quick, **given))
+    elif args.suite == "roofline":
+        from bench.roofline import RooflineConfig, run_roofline
+
+        given.pop("device", None)
+        given.pop("draft_model", None)
+        given.pop("max_new_tokens", None)
+        out = run_roofline(RooflineConfig(name=name, quick=args.quick, **given))
     elif args.suite == "performance":
         from bench.performance import PerformanceConfig, run_performance
 
