@@ -77,7 +77,9 @@ def hf_source(spec: str) -> tuple[str, dict]:
     if spec in CHUNKED_MODELS:
         path = assembled_gguf(CHUNKED_MODELS[spec])
         return str(path.parent), {"gguf_file": path.name}
-    if spec.endswith(".gguf") and os.path.isfile(spec):
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise InvalidArgument("model", f"{spec}: no such file")
         return os.path.dirname(os.path.abspath(spec)), {"gguf_file": os.path.basename(spec)}
     return spec, {}
 

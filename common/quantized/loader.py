@@ -15,9 +15,9 @@ import torch
 
 from common.errors import InvalidArgument
 from common.memory import check_fits
-from common.quantized.architectures import LINEARS, architecture_of, supported_names
+from common.quantized.architectures import ARCHITECTURES, LINEARS, architecture_of, supported_names
 from common.quantized.formats import FLOAT_FORMATS, UnsupportedFormat, pack
-from common.quantized.gguf_file import GGUFFormatError, read_tensors
+from common.quantized.gguf_file import GGUFFormatError, read_architecture, read_tensors
 from common.quantized.layers import QuantizedEmbedding, QuantizedLinear
 
 log = logging.getLogger("specdec")
@@ -74,6 +74,16 @@ class GGUFTensors:
     def embedding(self, name: str, scale: float | None = None) -> QuantizedEmbedding:
         t = self.get(name)
         return QuantizedEmbedding(np.asarray(t.data), t.tensor_type, int(t.shape[0]), scale)
+
+
+def check_architecture(path: str) -> None:
+    """Refuses a file that is not a readable GGUF of an architecture the engine runs, from its header alone."""
+    try:
+        name = read_architecture(path)
+    except (GGUFFormatError, OSError) as error:
+        raise InvalidArgument("model", f"{path}: not a readable GGUF file ({error})") from None
+    if name not in ARCHITECTURES:
+        raise InvalidArgument("engine", f"{path}: the gguf engine runs {supported_names()} models, not {name}")
 
 
 def build_quantized_model(path: str, config) -> torch.nn.Module:
