@@ -38,6 +38,14 @@ def test_the_file_is_gemma3_with_sliding_and_global_layers(gemma):
     assert bases == {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}
 
 
+def test_chats_render_in_gemmas_turns_and_its_end_of_turn_ends_a_reply(gemma):
+    """The file has no chat template: the architecture's row gives Gemma's, and <end_of_turn> ends a reply."""
+    tokenizer = gemma.tokenizer
+    ids = tokenizer.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert tokenizer.hf.decode(ids) == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert tokenizer.hf.convert_tokens_to_ids("<end_of_turn>") in tokenizer.eos_token_ids
+
+
 def test_logits_match_the_float64_reference_of_the_dequantised_weights(gemma):
     """Every position of a prompt, on the vocabulary rows the engine ranks highest and a random sample of the rest.
     The engine quantizes activations to 8 bits per block (as llama.cpp does): its logits stay within a small share of

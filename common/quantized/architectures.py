@@ -23,6 +23,21 @@ PRE_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layerno
 QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
+# Gemma 3's chat format (its instruction-tuned models' template, for text): llama.cpp's GGUF files of Gemma 3 carry
+# no tokenizer.chat_template, and the plain "role: text" fallback is not what the model was tuned on.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 @dataclass(frozen=True)
 class Architecture:
     gguf_name: str  # the file's general.architecture
@@ -40,6 +55,9 @@ class Architecture:
     gelu: bool = False  # GeGLU (GELU, tanh form) instead of SwiGLU
     embedding_scale: bool = False  # embeddings times sqrt(hidden_size)
     rope_by_layer_type: bool = False  # a rotary table per layer type (Gemma 3's local and global bases)
+    # The chat template where the file has none, and the tokens that end a turn besides the file's end of sequence.
+    chat_template: str | None = None
+    end_of_turn: tuple[str, ...] = ()
 
     @property
     def sandwich_norms(self) -> bool:
@@ -66,6 +84,8 @@ ARCHITECTURES = {
             gelu=True,
             embedding_scale=True,
             rope_by_layer_type=True,
+            chat_template=GEMMA_CHAT_TEMPLATE,
+            end_of_turn=("<end_of_turn>",),
         ),
     )
 }
