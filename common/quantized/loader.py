@@ -76,6 +76,18 @@ class GGUFTensors:
         return QuantizedEmbedding(np.asarray(t.data), t.tensor_type, int(t.shape[0]), scale)
 
 
+def apply_rope_factors(rotary: torch.nn.Module, factors: torch.Tensor, path: str) -> None:
+    """llama.cpp's files of Llama 3.1 and later hold their RoPE scaling as rope_freqs.weight, one divisor per
+    frequency (convert_hf_to_gguf's llama3 factors), not in the metadata transformers converts: each frequency is
+    divided by its factor, as llama.cpp's rotation does (theta / freq_factor)."""
+    if getattr(rotary, "rope_type", "default") != "default":
+        return  # the config already scales its frequencies
+    if factors.shape != rotary.inv_freq.shape:
+        raise InvalidArgument("model", f"{path}: rope_freqs.weight has {factors.numel()} factors for {rotary.inv_freq.numel()} frequencies")
+    rotary.inv_freq = rotary.inv_freq / factors
+    rotary.original_inv_freq = rotary.inv_freq.clone()
+
+
 def check_architecture(path: str) -> None:
     """Refuses a file that is not a readable GGUF of an architecture the engine runs, from its header alone."""
     try:
@@ -129,6 +141,8 @@ def build_quantized_model(path: str, config) -> torch.nn.Module:
     model.set_output_embeddings(tensors.linear(head))
     with torch.device("cpu"):
         decoder.rotary_emb = type(decoder.rotary_emb)(config=text)
+    if tensors.has("rope_freqs.weight"):
+        apply_rope_factors(decoder.rotary_emb, tensors.floats("rope_freqs.weight"), path)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise InvalidArgument("model", f"{path}: no GGUF tensor for {', '.join(left[:5])}")
