@@ -167,12 +167,27 @@ def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto", quantized
     model = (
         AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs).to(torch_device).eval().requires_grad_(False)
     )
+    if "gguf_file" in kwargs:
+        apply_file_rope_factors(model, os.path.join(source, kwargs["gguf_file"]))
     tokenizer_source, tokenizer_kwargs = metadata_source(spec)
     hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **tokenizer_kwargs)
     tokenizer = hf_tokenizer_of(hf_tokenizer, model.config, model.generation_config)
     config = model.config.get_text_config()
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
     return LoadedModel(spec, model, tokenizer, int(config.vocab_size), max_context, torch_device, torch_dtype)
+
+
+def apply_file_rope_factors(model: torch.nn.Module, path: str) -> None:
+    """Llama 3's RoPE scaling, which llama.cpp's files hold as rope_freqs.weight and transformers' GGUF loading
+    leaves out (common.quantized.loader.apply_rope_factors)."""
+    from common.quantized.gguf_file import read_tensors
+    from common.quantized.loader import apply_rope_factors
+
+    factors = read_tensors(path).get("rope_freqs.weight")
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if factors is not None and rotary is not None and hasattr(rotary, "inv_freq"):
+        device = rotary.inv_freq.device
+        apply_rope_factors(rotary, torch.from_numpy(factors.data.astype("float32").reshape(-1)).to(device), path)
 
 
 def check_dequantised_fits(path: str, dtype: torch.dtype) -> None:

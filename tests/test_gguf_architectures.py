@@ -4,6 +4,8 @@ rope_freqs.weight) from random weights in the real models' ratios, quantized wit
 engine against transformers' own model on the de-quantised weights and against the float64 reference: the logits,
 greedy output, and rows bit-identical in any pass and batch."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3Con
 
 from common.loaded_model import LoadedModel
 from common.model_runner import GgufRunner
+from common.models import apply_file_rope_factors
 from common.quantized.loader import build_quantized_model
 from tests.gguf_reference import float64_logits
 
@@ -137,9 +140,15 @@ def test_logits_match_the_float64_reference_and_transformers_on_the_dequantised_
 
 
 def test_the_rotary_frequencies_are_transformers_own_with_llama3_scaling_from_rope_freqs(pair):
+    """On both engines: the gguf engine's model, and the torch engine's (transformers' GGUF loading, which leaves
+    rope_freqs.weight out, then apply_file_rope_factors)."""
     loaded, reference = pair
     ours, theirs = loaded.model.get_decoder().rotary_emb, reference.get_decoder().rotary_emb
     assert torch.allclose(ours.inv_freq, theirs.inv_freq, rtol=1e-6, atol=0)
+    path = loaded.name
+    torch_engine = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)))
+    apply_file_rope_factors(torch_engine, path)
+    assert torch.allclose(torch_engine.get_decoder().rotary_emb.inv_freq, theirs.inv_freq, rtol=1e-6, atol=0)
     if theirs.rope_type == "llama3":  # the test can fail: the scaling changes the low frequencies
         config = reference.config
         default = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
