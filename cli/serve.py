@@ -3,6 +3,7 @@
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 
@@ -54,8 +55,20 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"specdec serve {args.role}: {error}", file=sys.stderr)
         return 2
+    except Exception as error:  # noqa: BLE001 - any failure to start is one line; its traceback goes to the debug log
+        logging.getLogger("specdec").debug("specdec serve %s failed", args.role, exc_info=True)
+        print(f"specdec serve {args.role}: cannot start: {startup_reason(error)}", file=sys.stderr)
+        return 2
     finally:
         shutdown_telemetry()
+
+
+def startup_reason(error: Exception) -> str:
+    """An error as one line: specdec's own errors say what and where (the file, the field); others add their type."""
+    from common.errors import SpecdecError
+
+    text = str(error) if isinstance(error, SpecdecError) else f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
 
 
 def serve_role(args: argparse.Namespace, options: ServerOptions) -> int:
@@ -83,8 +96,8 @@ def serve_role(args: argparse.Namespace, options: ServerOptions) -> int:
             configs = (from_arguments(args, cls) for cls in (CoordinatorConfig, PoolSettings, HttpSettings))
             asyncio.run(serve(settings, options, *configs))
         except IncompatibleWorkers as error:
-            print(f"specdec coordinator refuses to start: {error}", file=sys.stderr)
-            return 3
+            print(f"specdec serve coordinator: cannot start: {startup_reason(error)}", file=sys.stderr)
+            return 2
     return 0
 
 

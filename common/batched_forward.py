@@ -158,16 +158,20 @@ class RaggedCache:
         return 0
 
 
-def causal_mask(query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
-    """The query block is the last query_length positions of key_length: row i sees keys up to its own position."""
+def causal_mask(query_length: int, key_length: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """The query block is the last query_length positions of key_length: row i sees keys up to its own position, and
+    with a sliding window only the last `window` of them (its own included: transformers' sliding_window_overlay)."""
     rows = torch.arange(key_length - query_length, key_length, device=device)[:, None]
-    return torch.arange(key_length, device=device)[None, :] <= rows
+    keys = torch.arange(key_length, device=device)[None, :]
+    return (keys <= rows) & (keys > rows - window) if window else keys <= rows
 
 
-def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
     """One session's attention, [1, heads, n, d] queries against its [1, kv_heads, L, d] cache."""
     n, length = query.shape[-2], keys.shape[-2]
-    mask = causal_mask(n, length, query.device) if n > 1 else None
+    if n == 1 and window and length > window:  # a step sees the last window keys: a slice, not a mask
+        keys, values, length = keys[..., -window:, :], values[..., -window:, :], window
+    mask = causal_mask(n, length, query.device, window) if n > 1 else None
     return F.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != query.shape[1]
     )
@@ -181,18 +185,19 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
 ROW_EXACT_QUERY_ROWS = 16
 
 
-def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
     """attend, one query row at a time, each against the keys up to its own position."""
     n, length = query.shape[-2], keys.shape[-2]
     rows = [
-        attend(query[..., i : i + 1, :], keys[..., : length - n + i + 1, :], values[..., : length - n + i + 1, :], scaling)
+        attend(query[..., i : i + 1, :], keys[..., : length - n + i + 1, :], values[..., : length - n + i + 1, :], scaling, window)
         for i in range(n)
     ]
     return rows[0] if n == 1 else torch.cat(rows, dim=-2)
 
 
-def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
     """Attention for a packed batch: key and value are lists, one session's full cache each (see RaggedCache).
+    sliding_window: the window of a sliding-window layer (the models of WINDOWED_MODEL_TYPES pass it), else None.
 
     Called with plain tensors (a forward pass that did not come through forward_sessions, e.g. Hugging Face's
     generate on this model), it treats them as one unpadded sequence.
@@ -200,7 +205,9 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     row_exact = getattr(module.config, "row_exact_attention", False)
 
     def one(q, k, v):
-        return attend_rows(q, k, v, scaling) if row_exact and q.shape[-2] <= ROW_EXACT_QUERY_ROWS else attend(q, k, v, scaling)
+        if row_exact and q.shape[-2] <= ROW_EXACT_QUERY_ROWS:
+            return attend_rows(q, k, v, scaling, sliding_window)
+        return attend(q, k, v, scaling, sliding_window)
 
     if isinstance(key, torch.Tensor):
         output = one(query, key, value)
@@ -213,10 +220,16 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
 AttentionInterface.register(ATTENTION, ragged_attention)
 
 
+# The model types whose attention hands its layer's window to the attention function (sliding_window=): the ragged
+# attention applies it. Others with a window configured are refused rather than run as full attention.
+WINDOWED_MODEL_TYPES = ("gemma3_text", "qwen2", "qwen3")
+
+
 def check_supported(config) -> str | None:
     """Why the ragged attention cannot serve this model, or None when it can."""
     config = config.get_text_config()
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+    windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if windowed and config.model_type not in WINDOWED_MODEL_TYPES:
         return "sliding-window attention"
     if getattr(config, "attn_logit_softcapping", None):
         return "attention logit soft-capping"

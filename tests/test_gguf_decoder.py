@@ -41,7 +41,7 @@ def test_attention_over_several_sessions_matches_causal_sdpa_on_each_and_appends
     ]
     rows = sum(lengths)
     q, k, v = torch.randn(rows, heads, dim), torch.randn(rows, kv_heads, dim), torch.randn(rows, kv_heads, dim)
-    out = kernels().attend_sessions(q, k, v, [c[0] for c in caches], [c[1] for c in caches], starts, lengths, dim**-0.5)
+    out = kernels().attend_sessions(q, k, v, [c[0] for c in caches], [c[1] for c in caches], starts, lengths, dim**-0.5, 0, 0.0)
     row = 0
     for (keys, values), start, n in zip(caches, starts, lengths, strict=True):
         assert torch.equal(keys[0, :, start : start + n], k[row : row + n].transpose(0, 1))
@@ -59,11 +59,46 @@ def test_attention_over_several_sessions_matches_causal_sdpa_on_each_and_appends
         row += n
 
 
+def test_sliding_window_attention_with_soft_capped_scores_matches_its_definition_on_each_session():
+    """A sliding-window layer's row at position p sees positions p - window + 1 .. p (transformers' sliding window
+    mask), its scores soft-capped (cap * tanh(score / cap)) before the softmax; sessions start before and past the
+    window."""
+    heads, kv_heads, dim, window, cap = 4, 1, 256, 6, 3.0
+    starts, lengths = [0, 9, 3], [9, 3, 1]
+    caches = [
+        (torch.randn(1, kv_heads, s + n, dim, dtype=torch.float64), torch.randn(1, kv_heads, s + n, dim, dtype=torch.float64))
+        for s, n in zip(starts, lengths, strict=True)
+    ]
+    rows = sum(lengths)
+    q, k, v = (torch.randn(rows, h, dim, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    out = kernels().attend_sessions(
+        q.float(), k.float(), v.float(), [c[0].float() for c in caches], [c[1].float() for c in caches], starts, lengths,
+        dim**-0.5, window, cap,
+    )
+    full = kernels().attend_sessions(
+        q.float(), k.float(), v.float(), [c[0].float() for c in caches], [c[1].float() for c in caches], starts, lengths,
+        dim**-0.5, 0, 0.0,
+    )
+    row = 0
+    for (keys, values), start, n in zip(caches, starts, lengths, strict=True):
+        keys[0, :, start : start + n], values[0, :, start : start + n] = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
+        positions = torch.arange(start, start + n)[:, None]
+        seen = torch.arange(start + n)[None, :]
+        visible = (seen <= positions) & (seen > positions - window)
+        scores = torch.einsum("qhd,hkd->hqk", q[row : row + n], keys[0].expand(heads, -1, -1)) * dim**-0.5
+        weights = (cap * torch.tanh(scores / cap)).masked_fill(~visible, -torch.inf).softmax(-1)
+        expected = torch.einsum("hqk,hkd->qhd", weights, values[0].expand(heads, -1, -1)).reshape(n, heads * dim)
+        assert torch.allclose(out[row : row + n].double(), expected, atol=1e-5)
+        row += n
+    # The test can fail: rows past the window see fewer positions than full attention does.
+    assert not torch.allclose(out[8:12], full[8:12], atol=1e-3)
+
+
 def test_attention_refuses_buffers_that_cannot_hold_the_pass():
     q, k = torch.randn(4, 2, 64), torch.randn(4, 1, 64)
     small = torch.zeros(1, 1, 3, 64)
     with pytest.raises(RuntimeError, match="do not fit"):
-        kernels().attend_sessions(q, k, k, [small], [small], [0], [4], 0.125)
+        kernels().attend_sessions(q, k, k, [small], [small], [0], [4], 0.125, 0, 0.0)
 
 
 @pytest.mark.slow
@@ -135,7 +170,7 @@ def python_loop_pass(model, products, caches, token_ids, logits_to_keep) -> list
         ops.rotary(q, cos, sin)
         ops.rotary(k, cos, sin)
         keys, values = [b.key_buffer for b in buffers], [b.value_buffer for b in buffers]
-        hidden += attention.o_proj.product(ops.attend_sessions(q, k, v, keys, values, starts, lengths, attention.scaling))
+        hidden += attention.o_proj.product(ops.attend_sessions(q, k, v, keys, values, starts, lengths, attention.scaling, 0, 0.0))
         norm = layer.post_attention_layernorm
         h = ops.rms_norm(hidden, norm.weight, norm.variance_epsilon)
         gate, up = gate_up(h)

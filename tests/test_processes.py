@@ -94,9 +94,47 @@ def test_coordinator_refuses_a_pair_whose_tokenizers_differ():
             text=True,
             timeout=120,
         )
-        assert coordinator.returncode == 3
-        assert "different tokenizers" in coordinator.stderr
+        assert coordinator.returncode == 2
+        assert one_line_error(coordinator.stderr, "different tokenizers")
     finally:
         for worker in workers:
             worker.terminate()
             worker.wait(timeout=15)
+
+
+def one_line_error(stderr: str, *words: str) -> bool:
+    """A start-up failure as users see it: one line naming the problem, no traceback or event-loop noise."""
+    errors = [line for line in stderr.splitlines() if "cannot start" in line]
+    noise = ("Traceback", "Event loop is closed", "never awaited", "Exception ignored")
+    return len(errors) == 1 and all(w in errors[0] for w in words) and not any(n in stderr for n in noise)
+
+
+def write_gguf(path, architecture: str) -> None:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("case", ["unsupported architecture", "missing file", "corrupt file"])
+def test_a_worker_that_cannot_start_says_why_in_one_line_naming_the_file_and_exits_2(tmp_path, case):
+    path = tmp_path / "model.gguf"
+    if case == "unsupported architecture":
+        write_gguf(path, "mamba")
+        reason = "not mamba"
+    elif case == "corrupt file":
+        path.write_bytes(b"GGML" + bytes(100))
+        reason = "not a readable GGUF file"
+    else:
+        reason = "no such file"
+    serve = ["serve", "target", "--model", str(path), "--engine", "gguf", "--port", "0"]
+    done = subprocess.run([sys.executable, "-m", "cli", *serve], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and one_line_error(done.stderr, str(path), reason), done.stderr
+    # The traceback is in the debug log.
+    debug = subprocess.run([sys.executable, "-m", "cli", "--log-level", "DEBUG", *serve], capture_output=True, text=True, timeout=300)
+    assert debug.returncode == 2 and "Traceback" in debug.stderr

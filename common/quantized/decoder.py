@@ -1,5 +1,6 @@
-"""The gguf engine's forward pass over several sessions: a llama / qwen2 decoder whose layers run in one call into
-the kernels (decoder_layers.h: products, RMS norm, rotary embedding, attention over each session's cache).
+"""The gguf engine's forward pass over several sessions: a decoder of one of the architectures of
+common/quantized/architectures.py whose layers run in one call into the kernels (decoder_layers.h: products, RMS
+norm, rotary embedding, attention over each session's cache).
 
 transformers' own forward over the same layers spends about a fifth of a 1.5B decoding step on 2 cores in Python and
 small torch ops (some 60 per layer), and a loop of our own kernels called from Python still took 1.11-1.15x the time
@@ -11,6 +12,7 @@ session's logits are bit-identical alone, in a pass of any row count and beside 
 import torch
 from transformers.cache_utils import Cache
 
+from common.quantized.architectures import Architecture, architecture_of
 from common.quantized.kernels import kernels
 from common.quantized.layers import QuantizedLinear
 
@@ -45,25 +47,60 @@ def stacked_spec(products: StackedProducts) -> tuple:
     return [(linear_spec(linear), sizes) for linear, sizes in products.calls], products.order
 
 
-def decoder_layers(decoder: torch.nn.Module, heads: int, kv_heads: int):
-    """The model's decoder layers as one C++ object (decoder_layers.h) that runs them all in a single call."""
-    layers = kernels().DecoderLayers(heads, kv_heads)
-    for layer in decoder.layers:
+def norm_weights(norm: torch.nn.Module, offset: float) -> torch.Tensor:
+    """An RMS norm's weights as the kernels multiply by them: transformers' weights plus the architecture's offset
+    (Gemma's 1 + w, added in float32 as transformers does)."""
+    weight = norm.weight.detach().float()
+    return (weight + offset if offset else weight).contiguous()
+
+
+def rope_tables(decoder: torch.nn.Module, text) -> list[str | None]:
+    """The rotary tables a pass computes, by the layer type they serve (None: one table for every layer)."""
+    return sorted(set(text.layer_types)) if architecture_of_decoder(decoder).rope_by_layer_type else [None]
+
+
+def architecture_of_decoder(decoder: torch.nn.Module) -> Architecture:
+    return architecture_of(decoder.config.model_type)
+
+
+def decoder_layers(decoder: torch.nn.Module, text):
+    """The model's decoder layers as one C++ object (decoder_layers.h) that runs them all in a single call, with
+    each architecture's optional blocks (architectures.py)."""
+    architecture = architecture_of_decoder(decoder)
+    offset = architecture.norm_offset
+    layers = kernels().DecoderLayers(text.num_attention_heads, text.num_key_value_heads)
+    tables = rope_tables(decoder, text)
+    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * len(decoder.layers)
+    for index, layer in enumerate(decoder.layers):
         attention, mlp = layer.self_attn, layer.mlp
-        attention_norm, ffn_norm = layer.input_layernorm, layer.post_attention_layernorm
+        layer_type = layer_types[index]
+        sandwich = architecture.sandwich_norms
+        optional = lambda module: None if module is None else norm_weights(module, offset)  # noqa: E731
         layers.add_layer(
-            attention_norm.weight.detach().float().contiguous(),
-            attention_norm.variance_epsilon,
+            norm_weights(layer.input_layernorm, offset),
+            float(text.rms_norm_eps),
             stacked_spec(StackedProducts([attention.q_proj, attention.k_proj, attention.v_proj])),
             linear_spec(attention.o_proj),
-            ffn_norm.weight.detach().float().contiguous(),
-            ffn_norm.variance_epsilon,
+            norm_weights(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm, offset),
             stacked_spec(StackedProducts([mlp.gate_proj, mlp.up_proj])),
             linear_spec(mlp.down_proj),
             attention.head_dim,
             attention.scaling,
+            optional(getattr(attention, "q_norm", None)),
+            optional(getattr(attention, "k_norm", None)),
+            optional(layer.post_attention_layernorm if sandwich else None),
+            optional(layer.post_feedforward_layernorm if sandwich else None),
+            architecture.gelu,
+            int(text.sliding_window or 0) if layer_type == "sliding_attention" else 0,
+            tables.index(layer_type if architecture.rope_by_layer_type else None),
+            float(getattr(text, "attn_logit_softcapping", None) or 0.0),
         )
     return layers
+
+
+def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) where the config sets a final soft cap (as transformers' Gemma heads), else logits."""
+    return logits if not cap else logits.div_(cap).tanh_().mul_(cap)
 
 
 class QuantizedDecoder:
@@ -81,13 +118,18 @@ class QuantizedDecoder:
         decoder = self.model.get_decoder()
         text = self.model.config.get_text_config()
         if self.layers is None:
-            self.layers = decoder_layers(decoder, text.num_attention_heads, text.num_key_value_heads)
+            self.layers = decoder_layers(decoder, text)
         lengths = [len(ids) for ids in token_ids]
         starts = [cache.get_seq_length() for cache in caches]
         ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
         hidden = decoder.embed_tokens(ids).contiguous()
-        cos, sin = (t[0].contiguous() for t in decoder.rotary_emb(hidden[None], positions[None]))
+        cos, sin = [], []
+        for table in rope_tables(decoder, text):
+            by_type = () if table is None else (table,)
+            c, s = decoder.rotary_emb(hidden[None], positions[None], *by_type)
+            cos.append(c[0].contiguous())
+            sin.append(s[0].contiguous())
         # Room in every session's buffers for this pass (their lengths move only once the pass has succeeded).
         prototype = hidden.new_empty(1, text.num_key_value_heads, 0, decoder.layers[0].self_attn.head_dim)
         keys, values = [], []
@@ -105,5 +147,7 @@ class QuantizedDecoder:
                 buffers.set_length(start + n)
         ends = torch.tensor(lengths).cumsum(0).tolist()
         keep = torch.cat([torch.arange(end - k, end) for end, k in zip(ends, logits_to_keep, strict=True)])
-        last = kernels().rms_norm(hidden[keep].contiguous(), decoder.norm.weight, decoder.norm.variance_epsilon)
-        return list(self.model.get_output_embeddings()(last).split(logits_to_keep))
+        offset = architecture_of_decoder(decoder).norm_offset
+        last = kernels().rms_norm(hidden[keep].contiguous(), norm_weights(decoder.norm, offset), float(text.rms_norm_eps))
+        logits = soft_capped(self.model.get_output_embeddings()(last), getattr(text, "final_logit_softcapping", None))
+        return list(logits.split(logits_to_keep))

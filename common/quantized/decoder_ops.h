@@ -87,10 +87,14 @@ void rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 //   q [rows, heads, dim]; k, v [rows, kv_heads, dim]: the pass's rows, session after session (lengths[s] each);
 //   keys[s], values[s] [1, kv_heads, capacity, dim]: session s's buffers, holding starts[s] tokens before the pass
 //   (capacity >= starts[s] + lengths[s]); returns [rows, heads * dim].
-// A row's scores, softmax and weighted sum run in one order over positions 0..its own, whatever else is in the call.
+//   window: a row at position p sees positions p - window + 1 .. p only (a sliding-window layer: transformers'
+//   sliding_window_overlay, llama.cpp's n_swa); 0 sees them all. The cache keeps every position, so a rollback
+//   that re-enters the window finds the keys it needs.
+//   softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2's attention); 0 for none.
+// A row's scores, softmax and weighted sum run in one order over its visible positions, whatever else is in the call.
 torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> keys,
                               std::vector<torch::Tensor> values, std::vector<int64_t> starts, std::vector<int64_t> lengths,
-                              double scale) {
+                              double scale, int64_t window, double softcap) {
     check_rows(q, "q");
     check_rows(k, "k");
     check_rows(v, "v");
@@ -99,6 +103,7 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     const int64_t rows = q.size(0), heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
     const int64_t sessions = (int64_t)lengths.size();
     TORCH_CHECK(dim % 8 == 0 && dim <= 256 && heads % kv_heads == 0, "attend_sessions: unsupported head shape");
+    TORCH_CHECK(window >= 0 && softcap >= 0, "attend_sessions: window and softcap must not be negative");
     TORCH_CHECK((int64_t)keys.size() == sessions && (int64_t)values.size() == sessions && (int64_t)starts.size() == sessions,
                 "attend_sessions: one buffer pair and start per session");
     std::vector<int64_t> session_of(rows), position_of(rows);
@@ -138,13 +143,17 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
         std::vector<float> score(longest + 8);
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t r = item / heads, h = item % heads, s = session_of[r], seen = position_of[r] + 1;
+            const int64_t r = item / heads, h = item % heads, s = session_of[r];
+            // The visible positions first .. first + seen - 1; score[j] is position first + j's.
+            const int64_t first = window ? std::max<int64_t>(0, position_of[r] + 1 - window) : 0;
+            const int64_t seen = position_of[r] + 1 - first;
             const float* qr = qs + (r * heads + h) * dim;
-            const float* key = key_base[s] + (h / group) * capacity[s] * dim;
-            const float* value = value_base[s] + (h / group) * capacity[s] * dim;
+            const float* key = key_base[s] + ((h / group) * capacity[s] + first) * dim;
+            const float* value = value_base[s] + ((h / group) * capacity[s] + first) * dim;
             float top = -INFINITY;
             for (int64_t j = 0; j < seen; ++j) {
                 score[j] = dot(qr, key + j * dim, dim) * (float)scale;
+                if (softcap > 0) score[j] = (float)softcap * std::tanh(score[j] / (float)softcap);
                 top = std::max(top, score[j]);
             }
             for (int64_t j = seen; j < ((seen + 7) & ~int64_t(7)); ++j) score[j] = -INFINITY;

@@ -68,6 +68,26 @@ class Cursor:
             raise GGUFFormatError(f"unknown metadata value type {value_type} at byte {self.at}")
 
 
+def read_architecture(path: str) -> str:
+    """The file's general.architecture, read from its header alone (the start-up check of a file's family)."""
+    with open(path, "rb") as file:
+        head = file.read(4)
+    if head != MAGIC:
+        raise GGUFFormatError("it does not start with the GGUF magic")
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    cursor = Cursor(memoryview(mapped))
+    cursor.at = 4
+    version, _, kv_count = cursor.take("I"), cursor.take("Q"), cursor.take("Q")
+    if version not in (2, 3):
+        raise GGUFFormatError(f"GGUF version {version} (this reader knows 2 and 3)")
+    for _ in range(kv_count):
+        key, value_type = cursor.string(), cursor.take("I")
+        if key == "general.architecture" and value_type == STRING:
+            return cursor.string()
+        cursor.skip_value(value_type)
+    raise GGUFFormatError("its header names no general.architecture")
+
+
 def read_tensors(path: str) -> dict[str, GGUFTensor]:
     """The file's tensors by name, their bytes mapped read-only from the file."""
     mapped = np.memmap(path, dtype=np.uint8, mode="r")

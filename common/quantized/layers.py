@@ -80,11 +80,13 @@ class QuantizedLinear(torch.nn.Module):
 
 class QuantizedEmbedding(torch.nn.Module):
     """Token embeddings kept as the file's blocks ([vocab, row bytes]); a lookup de-quantises the rows it reads
-    (151,936 x 1,536 floats would be 0.9 GB for Qwen2.5-1.5B)."""
+    (151,936 x 1,536 floats would be 0.9 GB for Qwen2.5-1.5B). scale: a factor of every embedding (Gemma's
+    sqrt(hidden_size)), multiplied in float32 as transformers' scaled embedding does."""
 
-    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, embedding_dim: int):
+    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, embedding_dim: int, scale: float | None = None):
         super().__init__()
         self.qtype, self.embedding_dim = qtype, embedding_dim
+        self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
         self.register_buffer("blocks", torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)))  # off the mmap
         self.num_embeddings = raw.shape[0]
 
@@ -92,6 +94,8 @@ class QuantizedEmbedding(torch.nn.Module):
         rows = self.blocks[ids.reshape(-1).cpu()].numpy()
         values = quants.dequantize(rows, self.qtype) if self.qtype != GGMLQuantizationType.F32 else rows.view(np.float32)
         out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, self.embedding_dim))
+        if self.scale is not None:
+            out = out * self.scale
         return out.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -15,25 +15,12 @@ import torch
 
 from common.errors import InvalidArgument
 from common.memory import check_fits
+from common.quantized.architectures import ARCHITECTURES, LINEARS, architecture_of, supported_names
 from common.quantized.formats import FLOAT_FORMATS, UnsupportedFormat, pack
-from common.quantized.gguf_file import GGUFFormatError, read_tensors
+from common.quantized.gguf_file import GGUFFormatError, read_architecture, read_tensors
 from common.quantized.layers import QuantizedEmbedding, QuantizedLinear
 
 log = logging.getLogger("specdec")
-
-ARCHITECTURES = ("llama", "qwen2")
-# llama.cpp's blk.N names -> transformers' module paths under model.layers.N
-LAYER_LINEARS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-
 
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
     """The row order that undoes llama.cpp's conversion of a llama q or k projection (transformers'
@@ -84,9 +71,31 @@ class GGUFTensors:
             bias_values = bias_values if rows is None else bias_values[torch.from_numpy(rows)].contiguous()
         return QuantizedLinear(weight, bias_values)
 
-    def embedding(self, name: str) -> QuantizedEmbedding:
+    def embedding(self, name: str, scale: float | None = None) -> QuantizedEmbedding:
         t = self.get(name)
-        return QuantizedEmbedding(np.asarray(t.data), t.tensor_type, int(t.shape[0]))
+        return QuantizedEmbedding(np.asarray(t.data), t.tensor_type, int(t.shape[0]), scale)
+
+
+def apply_rope_factors(rotary: torch.nn.Module, factors: torch.Tensor, path: str) -> None:
+    """llama.cpp's files of Llama 3.1 and later hold their RoPE scaling as rope_freqs.weight, one divisor per
+    frequency (convert_hf_to_gguf's llama3 factors), not in the metadata transformers converts: each frequency is
+    divided by its factor, as llama.cpp's rotation does (theta / freq_factor)."""
+    if getattr(rotary, "rope_type", "default") != "default":
+        return  # the config already scales its frequencies
+    if factors.shape != rotary.inv_freq.shape:
+        raise InvalidArgument("model", f"{path}: rope_freqs.weight has {factors.numel()} factors for {rotary.inv_freq.numel()} frequencies")
+    rotary.inv_freq = rotary.inv_freq / factors
+    rotary.original_inv_freq = rotary.inv_freq.clone()
+
+
+def check_architecture(path: str) -> None:
+    """Refuses a file that is not a readable GGUF of an architecture the engine runs, from its header alone."""
+    try:
+        name = read_architecture(path)
+    except (GGUFFormatError, OSError) as error:
+        raise InvalidArgument("model", f"{path}: not a readable GGUF file ({error})") from None
+    if name not in ARCHITECTURES:
+        raise InvalidArgument("engine", f"{path}: the gguf engine runs {supported_names()} models, not {name}")
 
 
 def build_quantized_model(path: str, config) -> torch.nn.Module:
@@ -94,10 +103,9 @@ def build_quantized_model(path: str, config) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     text = config.get_text_config()
-    if config.model_type not in ARCHITECTURES:
-        raise InvalidArgument(
-            "engine", f"{path}: the gguf engine runs {', '.join(ARCHITECTURES)} models, not {config.model_type}"
-        )
+    architecture = architecture_of(config.model_type)
+    if architecture is None:
+        raise InvalidArgument("engine", f"{path}: the gguf engine runs {supported_names()} models, not {config.model_type}")
     started = time.monotonic()
     tensors = GGUFTensors(path)
     check_fits(path, sum(t.data.nbytes for t in tensors.tensors.values()), "the gguf engine's blocks of its tensors")
@@ -109,23 +117,32 @@ def build_quantized_model(path: str, config) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     decoder = model.get_decoder()
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    head_dim = decoder.layers[0].self_attn.head_dim if decoder.layers else 0
+
+    def norm(name: str) -> torch.nn.Parameter:
+        weights = tensors.floats(name)
+        return torch.nn.Parameter(weights - architecture.norm_offset if architecture.norm_offset else weights, requires_grad=False)
+
     for i, layer in enumerate(decoder.layers):
-        for gguf_name, path_in_layer in LAYER_LINEARS.items():
+        for gguf_name, path_in_layer in LINEARS.items():
             rows = None
-            if config.model_type == "llama" and gguf_name in ("attn_q", "attn_k"):
-                count = text.hidden_size if gguf_name == "attn_q" else kv_heads * (text.hidden_size // heads)
+            if architecture.permuted_qk and gguf_name in ("attn_q", "attn_k"):
+                count = (heads if gguf_name == "attn_q" else kv_heads) * head_dim
                 rows = unpermute_rows(count, heads if gguf_name == "attn_q" else kv_heads)
             parent_path, _, attr = path_in_layer.rpartition(".")
             linear = tensors.linear(f"blk.{i}.{gguf_name}.weight", rows, bias=f"blk.{i}.{gguf_name}.bias")
             setattr(layer.get_submodule(parent_path), attr, linear)
-        for gguf_name, attr in LAYER_NORMS.items():
-            getattr(layer, attr).weight = torch.nn.Parameter(tensors.floats(f"blk.{i}.{gguf_name}.weight"), requires_grad=False)
-    decoder.norm.weight = torch.nn.Parameter(tensors.floats("output_norm.weight"), requires_grad=False)
-    decoder.embed_tokens = tensors.embedding("token_embd.weight")
+        for gguf_name, path_in_layer in architecture.norms.items():
+            layer.get_submodule(path_in_layer).weight = norm(f"blk.{i}.{gguf_name}.weight")
+    decoder.norm.weight = norm("output_norm.weight")
+    scale = text.hidden_size**0.5 if architecture.embedding_scale else None
+    decoder.embed_tokens = tensors.embedding("token_embd.weight", scale)
     head = "output.weight" if tensors.has("output.weight") else "token_embd.weight"
     model.set_output_embeddings(tensors.linear(head))
     with torch.device("cpu"):
         decoder.rotary_emb = type(decoder.rotary_emb)(config=text)
+    if tensors.has("rope_freqs.weight"):
+        apply_rope_factors(decoder.rotary_emb, tensors.floats("rope_freqs.weight"), path)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise InvalidArgument("model", f"{path}: no GGUF tensor for {', '.join(left[:5])}")
