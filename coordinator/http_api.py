@@ -597,11 +597,11 @@ class CompletionHandler:
             )
             # Under FastAPI's HTTP server span: the span of a request that arrived over HTTP, not the server's own.
             limit, context = http.http_request_timeout, request_context(request)
+            choices = choice_params(params, choices_of(body))
+            if len(choices) > 1 and engine.target.prefix_cache_tokens:
+                await prefill_once(engine, params, context, limit)
             events = merged(
-                [
-                    before_deadline(engine.generate(choice, context, limit, kind=SpanKind.INTERNAL), limit)
-                    for choice in choice_params(params, choices_of(body))
-                ]
+                [before_deadline(engine.generate(choice, context, limit, kind=SpanKind.INTERNAL), limit) for choice in choices]
             )
             if not body.stream:
                 handed_off = True
@@ -649,6 +649,17 @@ def choice_params(params: GenerationParams, n: int) -> list[GenerationParams]:
         )
         for i in range(n)
     ]
+
+
+async def prefill_once(engine: GenerationEngine, params: GenerationParams, context, limit: float) -> None:
+    """n choices of one prompt prefill it once: a request that only prefills it (max_new_tokens 0) leaves its keys
+    and values in the target's prefix cache as it closes, and each choice's session starts from a copy of them. Only
+    where the target keeps a prefix cache (elsewhere this would be one prefill more)."""
+    only_prefill = replace(params, max_new_tokens=0, num_speculative_tokens=0, logprobs=None, prompt_logprobs=False)
+    events = before_deadline(engine.generate(only_prefill, context, limit, kind=SpanKind.INTERNAL), limit)
+    async with contextlib.aclosing(events):
+        async for _ in events:
+            pass
 
 
 def echo_text(body: RequestFields, params: GenerationParams, tokenizer: Tokenizer) -> str | None:

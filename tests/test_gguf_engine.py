@@ -355,6 +355,25 @@ def test_logprobs_are_bit_identical_with_speculation_on_and_off_and_are_the_targ
     assert reference.prompt_logprobs[-1].logprob == float(row[ids[-1]])
 
 
+def test_n_choices_share_one_prefill_through_the_prefix_cache(smollm2):
+    from tests.test_openai_api import in_process_coordinator
+
+    target = TargetEngine(smollm2, calibrate=False)
+
+    async def scenario(client, server):
+        prompt = "A list of fruits: apple, banana, cherry, and"
+        response = await client.completions.create(
+            model=SMOLLM2, prompt=prompt, max_tokens=4, n=3, temperature=1.0, seed=5, extra_body={"num_speculative_tokens": 0}
+        )
+        assert len({choice.text for choice in response.choices}) > 1
+        # Every choice's session started from the prompt a prefill-only request computed once (all but its last
+        # token, which each session scores itself).
+        assert response.usage.prompt_tokens_details.cached_tokens == response.usage.prompt_tokens - 1
+        assert target.prefixes.hits == 3
+
+    in_process_coordinator(scenario, target_engine=target)
+
+
 DIST_PROMPT = [1, 504, 3456, 314]  # "<|im_start|>" and three ordinary tokens
 DIST_SAMPLES = 600
 

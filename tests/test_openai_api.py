@@ -330,7 +330,8 @@ def test_sixteen_concurrent_streaming_clients_all_complete_with_their_solo_outpu
 # Error statuses that need a coordinator in a given state: in this process, over a real target worker.
 
 
-def in_process_coordinator(scenario, max_concurrent_requests=256, retry_window=30.0):
+def in_process_coordinator(scenario, max_concurrent_requests=256, retry_window=30.0, target_engine=None):
+    """target_engine: the target worker's engine (default: one on the tiny random TARGET)."""
     from common.config import ServerOptions
     from common.models import load_model
     from coordinator.config import CoordinatorConfig, PoolSettings
@@ -340,8 +341,9 @@ def in_process_coordinator(scenario, max_concurrent_requests=256, retry_window=3
     from target_worker.server import start_target_server
 
     async def run():
-        model = load_model(TARGET)
-        target, port = await start_target_server(TargetEngine(model))
+        engine = target_engine or TargetEngine(load_model(TARGET))
+        model = engine.loaded
+        target, port = await start_target_server(engine)
         workers = GrpcWorkers(f"127.0.0.1:{port}", None, settings=PoolSettings(poll_interval=0.1))
         config = CoordinatorConfig(target_retry_window=retry_window)
         engine = await build_engine(workers, config, tokenizer=model.tokenizer)
