@@ -3,7 +3,7 @@
 import torch
 
 from common.rounds import DraftSource
-from common.sampling import SamplingParams, SparseDistribution
+from common.sampling import SamplingParams, SparseDistribution, TokenLogprob
 from specdec.v1 import worker_pb2
 
 DRAFT_SOURCES = {
@@ -17,7 +17,18 @@ DRAFT_SOURCE_OF = {number: source for source, number in DRAFT_SOURCES.items()}
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
-    return worker_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed)
+    return worker_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        logit_bias=dict(params.logit_bias),
+        generated_tokens=params.generated_tokens,
+    )
 
 
 def sampling_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
@@ -26,7 +37,26 @@ def sampling_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
         top_k=msg.top_k,
         top_p=msg.top_p,
         seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=logit_bias_of(msg.logit_bias),
+        generated_tokens=msg.generated_tokens,
     )
+
+
+def logit_bias_of(bias) -> tuple[tuple[int, float], ...]:
+    """A logit_bias map as SamplingParams holds it: (token id, bias) pairs, ids ascending."""
+    return tuple(sorted((int(token), float(value)) for token, value in bias.items()))
+
+
+def logprob_to_proto(entry: TokenLogprob) -> worker_pb2.TokenLogprob:
+    return worker_pb2.TokenLogprob(logprob=entry.logprob, top_token_ids=entry.top_ids, top_logprobs=entry.top_logprobs)
+
+
+def logprob_from_proto(msg: worker_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.logprob, list(msg.top_token_ids), list(msg.top_logprobs))
 
 
 def distribution_to_proto(dist: SparseDistribution) -> worker_pb2.SparseDistribution:

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from common.sampling import SparseDistribution
+from common.sampling import SparseDistribution, TokenLogprob
 from specdec.v1 import worker_pb2
 
 # q of one drafted token as a round carries it: tensors where it was sampled (or converted for sampling), or the
@@ -62,3 +62,4 @@ class Verdict:
     queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it
     handling_us: int = 0  # the worker's whole handling of the message (0: not measured, in process)
     ahead_us: int = 0  # of compute_us, scoring done ahead, before the message arrived (hidden behind the exchange)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per committed token, when the session asked

@@ -22,10 +22,23 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    # The logit adjustments (adjusted_logits): functions of the tokens before a position, as vLLM defines them.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    # Of a session's prompt, how many final tokens the request generated already (a session reopened mid-request):
+    # the presence and frequency penalties count them as output, not as prompt.
+    generated_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -79,19 +92,76 @@ def mask_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
+def mask_min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keeps the tokens at least min_p times as likely as the likeliest one."""
+    if min_p <= 0.0:
+        return probs
+    return torch.where(probs >= min_p * probs.amax(dim=-1, keepdim=True), probs, 0.0)
+
+
 def normalize(probs: torch.Tensor) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution target-only sampling draws from: temperature, then top-k, then top-p."""
+    """The distribution target-only sampling draws from, on logits already adjusted (adjusted_logits): temperature,
+    then top-k, then top-p, then min-p."""
     logits = logits.float()
     if params.greedy:
         return one_hot_argmax(logits)
     probs = torch.softmax(logits / params.temperature, dim=-1)
     probs = mask_top_k(probs, params.top_k)
     probs = mask_top_p(normalize(probs), params.top_p)
+    probs = mask_min_p(normalize(probs), params.min_p)
     return normalize(probs)
+
+
+def adjusted_logits(
+    logits: torch.Tensor, params: SamplingParams, context: list[int], output_from: int, drafted: list[int]
+) -> torch.Tensor:
+    """The logit adjustments of a request, the stage before logits_to_probs (and before any mask): logit_bias, then
+    the repetition penalty (CTRL's: a positive logit divided by it, a negative one multiplied, for every token of
+    the prompt and the output), then the frequency and presence penalties (minus frequency x count, minus presence
+    if present, over the output only), as vLLM applies them.
+
+    logits: float32 [R, V], row i scoring the position after context + drafted[:i]; output_from: where the output
+    begins in context. Every row is adjusted by what a one-at-a-time decoder would have seen at its position, so a
+    drafted prefix counts as if committed. Elementwise float32 on the tokens that occur, so a row's numbers are the
+    same bits whatever the other rows.
+    """
+    if not params.adjusts_logits:
+        return logits
+    logits = logits.clone()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)
+        logits[:, list(ids)] += torch.tensor(bias, dtype=torch.float32)
+    rows = logits.shape[0]
+    drafted = drafted[: rows - 1]
+    seen = sorted(set(context) | set(drafted))
+    if not seen or not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0):
+        return logits
+    ids = torch.tensor(seen, dtype=torch.long)
+    columns = len(seen)
+    before = torch.searchsorted(ids, torch.tensor(context, dtype=torch.long)) if context else torch.zeros(0, dtype=torch.long)
+    in_context = torch.bincount(before, minlength=columns).float()
+    in_output = torch.bincount(before[output_from:], minlength=columns).float()
+    added = torch.zeros(rows, columns)
+    if drafted:
+        columns_drafted = torch.searchsorted(ids, torch.tensor(drafted, dtype=torch.long))
+        added.index_put_((torch.arange(1, len(drafted) + 1), columns_drafted), torch.ones(len(drafted)), accumulate=True)
+        added = added.cumsum(dim=0)
+    output_counts = in_output + added
+    selected = logits[:, ids]
+    if params.repetition_penalty != 1.0:
+        present = (in_context + added) > 0
+        penalty = params.repetition_penalty
+        selected = torch.where(present, torch.where(selected > 0, selected / penalty, selected * penalty), selected)
+    if params.frequency_penalty:
+        selected = selected - params.frequency_penalty * output_counts
+    if params.presence_penalty:
+        selected = selected - params.presence_penalty * (output_counts > 0).float()
+    logits[:, ids] = selected
+    return logits
 
 
 def truncate_probs(probs: torch.Tensor, max_entries: int) -> SparseDistribution:
@@ -188,3 +258,30 @@ def top_entries(probs: torch.Tensor, count: int) -> list[SparseDistribution]:
     count = min(count, probs.shape[-1])
     top = torch.topk(probs, count, dim=-1)
     return [SparseDistribution(token_ids=i, probs=p) for i, p in zip(top.indices, top.values, strict=True)]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A position's log-probability of its token, and of the `top` likeliest tokens there, likeliest first."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of the model's own distribution at each row (log-softmax of its logits, before the logit
+    adjustments, temperature and truncation: vLLM's raw_logprobs), of rows' tokens. Row by row, so that a row's
+    numbers never depend on how many rows were scored with it."""
+    entries = []
+    for row, token in zip(logits, tokens, strict=False):
+        logprobs = torch.log_softmax(row.float(), dim=-1)
+        best = torch.topk(logprobs, min(top, logprobs.shape[-1])) if top else None
+        entries.append(
+            TokenLogprob(
+                float(logprobs[token]),
+                best.indices.tolist() if best is not None else [],
+                best.values.tolist() if best is not None else [],
+            )
+        )
+    return entries

@@ -8,6 +8,9 @@ from common.rounds import DraftQ
 from common.wire_limits import MAX_Q_ENTRIES
 from common.sampling import SamplingParams
 
+MAX_TOKEN_ID = 2**31  # a model-free draft has no vocabulary: any int32 id
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (vLLM and OpenAI take any; each costs a column per sampled row)
+MAX_REPETITION_PENALTY = 10.0
 # q may be renormalised float32; anything further from 1 is not a distribution the draft sampled from.
 DISTRIBUTION_MASS_TOLERANCE = 1e-3
 
@@ -22,6 +25,34 @@ def check_sampling(params: SamplingParams, field: str = "") -> None:
         raise InvalidArgument(f"{prefix}top_k", f"must be >= 0, got {params.top_k}")
     if not (0 < params.top_p <= 1):
         raise InvalidArgument(f"{prefix}top_p", f"must be in (0, 1], got {params.top_p}")
+    if not 0 <= params.min_p <= 1:
+        raise InvalidArgument(f"{prefix}min_p", f"must be in [0, 1], got {params.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not -2 <= value <= 2:
+            raise InvalidArgument(f"{prefix}{name}", f"must be in [-2, 2], got {value}")
+    if not (0 < params.repetition_penalty <= MAX_REPETITION_PENALTY):
+        raise InvalidArgument(
+            f"{prefix}repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY}], got {params.repetition_penalty}"
+        )
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgument(f"{prefix}logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(params.logit_bias)}")
+    for token, bias in params.logit_bias:
+        if not -100 <= bias <= 100:
+            raise InvalidArgument(f"{prefix}logit_bias", f"token {token}: the bias must be in [-100, 100], got {bias}")
+    if params.generated_tokens < 0:
+        raise InvalidArgument(f"{prefix}generated_tokens", f"must be >= 0, got {params.generated_tokens}")
+
+
+def check_sampling_tokens(params: SamplingParams, prompt: list[int], vocab_size: int, field: str = "") -> None:
+    """The sampling fields that need the model and the prompt: logit_bias's ids in the vocabulary, generated_tokens
+    within the prompt."""
+    prefix = f"{field}." if field else ""
+    check_token_ids([token for token, _ in params.logit_bias], vocab_size, f"{prefix}logit_bias")
+    if params.generated_tokens >= len(prompt) and params.generated_tokens:
+        raise InvalidArgument(
+            f"{prefix}generated_tokens", f"{params.generated_tokens} is not less than the prompt's {len(prompt)} tokens"
+        )
 
 
 def check_count(value: int, limit: int, field: str) -> None:

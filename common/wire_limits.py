@@ -8,3 +8,4 @@ within them (CoordinatorConfig checks its gamma and p entries against these at s
 MAX_STEP_TOKENS = 32  # tokens a step drafts (draft: num_tokens) or verifies (target: draft_token_ids)
 MAX_P_ENTRIES = 64  # num_p_entries: the top entries of p a target returns per position
 MAX_Q_ENTRIES = 1024  # max_q_entries of a draft session, and the entries of each q a target receives
+MAX_TOP_LOGPROBS = 20  # start.logprobs: the likeliest tokens a target reports per position (OpenAI's top_logprobs)

@@ -23,11 +23,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from common.errors import InvalidArgument, Unavailable
 from common.rounds import Proposal
-from common.sampling import stream_seed
+from common.sampling import SamplingParams, stream_seed
 from common.telemetry import tracer
 from common.timing import elapsed_us
 from common.tokenizer import Tokenizer
-from common.validation import check_prompt
+from common.validation import check_prompt, check_token_ids
 from coordinator.config import CoordinatorConfig
 from coordinator.gamma_policy import CostModelPolicy, FixedPolicy, HeuristicPolicy, MeasuredSpeed
 from coordinator.metrics import CoordinatorMetrics
@@ -44,6 +44,7 @@ from coordinator.round import (
     truncated,
 )
 from coordinator.finish_reasons import FINISH_REASON_NAMES
+from specdec.v1 import generation_pb2
 from coordinator.types import GenerationParams, GenerationResult, RoundStats, TimeSplit
 from coordinator.workers import DraftSession, IncompatibleWorkers, TargetSession, WorkerInfo, Workers
 
@@ -102,6 +103,7 @@ class GenerationEngine:
         # A bad id is the token ids' fault (named first, as their own field); an empty or too long prompt is the
         # prompt's, whether it came as text or as ids.
         check_prompt(params.prompt_token_ids, vocab_size, limit, "prompt", ids_field="prompt_token_ids")
+        check_token_ids([token for token, _ in params.sampling.logit_bias], vocab_size, "logit_bias")
         prompt = len(params.prompt_token_ids)
         if limit and params.max_new_tokens_given and prompt + params.max_new_tokens > limit:
             raise InvalidArgument(
@@ -218,6 +220,12 @@ def derived_seed(seed: int | None, generation: int, stream: str = "reopen") -> i
     return stream_seed(seed, f"{stream}:{generation}")
 
 
+def session_sampling(sampling: SamplingParams, committed: list[int], seed: int | None) -> SamplingParams:
+    """A session's sampling parameters: the request's, with its seed, and the committed tokens its prompt holds
+    counted as output by the logit adjustments."""
+    return replace(sampling, seed=seed, generated_tokens=len(committed))
+
+
 def timings_choose_gamma(params: GenerationParams) -> bool:
     """Whether the cost model chooses the request's gamma from measured speeds: auto, except with the heuristic
     schedule, and except for seeded sampling. Gamma decides how the random streams are consumed, so a seeded
@@ -294,6 +302,7 @@ class RequestWorkers(RoundWorkers):
         self.draft_reopens = 0  # draft sessions reopened after a failure
         self.fallback_reason = ""
         self.cached_prompt_tokens = 0  # of the prompt, reused from the target's prefix cache at the first opening
+        self.prompt_logprobs = []  # the first opening's, when the request asked for them
         # A model draft whose opening waits until the gamma policy first wants to draft (see defers_draft), and
         # that opening while it runs behind the rounds, with the number of committed tokens it prefills.
         self.deferred_draft = False
@@ -342,15 +351,25 @@ class RequestWorkers(RoundWorkers):
             until = min(until, self.deadline - DEADLINE_MARGIN)
         delay, attempts, last_error = 0.1, 0, first_error
         while True:
-            sampling = replace(self.params.sampling, seed=derived_seed(self.params.sampling.seed, self.target_generation))
+            sampling = session_sampling(
+                self.params.sampling, committed, derived_seed(self.params.sampling.seed, self.target_generation)
+            )
             remaining = until - time.monotonic()
             try:
                 opening = self.engine.workers.open_target(
-                    self.params.prompt_token_ids + committed, sampling, self.config.num_p_entries, parent, like, self.max_tokens
+                    self.params.prompt_token_ids + committed,
+                    sampling,
+                    self.config.num_p_entries,
+                    parent,
+                    like,
+                    self.max_tokens,
+                    self.params.logprobs,
+                    self.params.prompt_logprobs and not committed,  # the first opening's prefill scores the prompt
                 )
                 self.target = await asyncio.wait_for(opening, max(0.05, min(remaining, open_timeout)))
                 if not committed:
                     self.cached_prompt_tokens = self.target.reused_tokens
+                    self.prompt_logprobs = getattr(self.target, "prompt_logprobs", [])
                 return
             except (TimeoutError, Unavailable) as error:
                 last_error, attempts = error, attempts + 1
@@ -366,8 +385,10 @@ class RequestWorkers(RoundWorkers):
 
     async def open(self, parent: Context) -> None:
         """Opens (and prefills) both sessions concurrently. A draft that cannot open only turns speculation off."""
-        use_draft = self.params.num_speculative_tokens != 0 and await self.engine.connect_draft()
-        if self.params.num_speculative_tokens != 0 and not use_draft:
+        # A request that only scores its prompt (max_new_tokens 0) has no round to draft for.
+        wants_draft = self.params.num_speculative_tokens != 0 and self.params.max_new_tokens > 0
+        use_draft = wants_draft and await self.engine.connect_draft()
+        if wants_draft and not use_draft:
             self.fall_back("draft_unavailable" if self.engine.workers.has_draft else "no_draft_worker")
         if use_draft and self.defers_draft():
             self.deferred_draft, use_draft = True, False
@@ -443,7 +464,7 @@ class RequestWorkers(RoundWorkers):
         of the same length fires first and leaves the slow worker unmarked."""
         return self.engine.workers.open_draft(
             self.params.prompt_token_ids + committed,
-            sampling,
+            session_sampling(sampling, committed, sampling.seed),
             self.config.max_q_entries,
             parent,
             self.draft_open_timeout(committed),
@@ -540,6 +561,9 @@ class RequestRun:
             eos_token_ids=engine.target.eos_token_ids,
             ignore_eos=params.ignore_eos,
         )
+        if self.output.max_new_tokens == 0:  # the prompt's log-probabilities only: its prefill is all there is to run
+            self.output.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+        self.logprobs = []  # per committed output token, when the request asked for them
         # What each session reserves on its worker: every token the request may commit, and a round's drafted
         # tokens beyond them (with overlap's assumed token); a worker caps it at its context.
         max_gamma = (
@@ -661,6 +685,10 @@ class RequestRun:
         self.ready = result.ready
         learn(self.policy, result)
         delta = self.output.add(result.committed)
+        if self.params.logprobs is not None:
+            # Aligned with the committed tokens; the output may have cut them at a stop.
+            self.logprobs = (self.logprobs + result.verdict.logprobs)[: len(self.output.token_ids)]
+            delta.logprobs = self.logprobs[len(self.output.token_ids) - len(delta.token_ids) :]
         if not (delta.token_ids or delta.text):
             return None
         self.first_token_at = self.first_token_at or time.perf_counter()
@@ -706,6 +734,8 @@ class RequestRun:
             fallback_reason=self.workers.fallback_reason,
             overlap=self.overlap,
             cached_prompt_tokens=self.workers.cached_prompt_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.workers.prompt_logprobs,
         )
 
     def result_attributes(self, result: GenerationResult) -> dict:

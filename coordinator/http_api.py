@@ -16,7 +16,9 @@ import socket
 import ssl
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import anyio
 import h11
@@ -40,11 +42,16 @@ from coordinator.engine import GenerationEngine
 from coordinator.output import Delta
 from coordinator.requests import params_of
 from coordinator.finish_reasons import FINISH_REASON_NAMES
-from coordinator.types import GenerationResult
+from coordinator.types import GenerationParams, GenerationResult
+from common.sampling import TokenLogprob, stream_seed
+from common.tokenizer import Tokenizer
 
 from specdec.v1 import generation_pb2
 
 log = logging.getLogger("specdec.coordinator")
+MAX_CHOICES = 16  # n
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits
+MAX_COMPLETION_LOGPROBS = 5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the coordinator's
 DISCONNECT_POLL_SECONDS = 0.25  # how often a whole (non-streamed) request checks that its client is still there
 # OpenAI's roles that specdec renders as one of its chat roles.
@@ -77,6 +84,9 @@ class RequestFields(BaseModel):
     functions: list | None = None
     function_call: str | dict | None = None
     response_format: dict | None = None
+    # vLLM's, which specdec takes too
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     # specdec's own
     top_k: int | None = None
     num_speculative_tokens: int | None = None
@@ -113,11 +123,6 @@ class ChatCompletionRequest(RequestFields):
 
 def refuse_unsupported(body: RequestFields) -> None:
     neutral = {
-        "n": body.n in (None, 1),
-        "frequency_penalty": not body.frequency_penalty,
-        "presence_penalty": not body.presence_penalty,
-        "logit_bias": not body.logit_bias,
-        "logprobs": body.logprobs in (None, False),
         "tools": not body.tools,
         "tool_choice": body.tool_choice in (None, "none"),
         "functions": not body.functions,
@@ -125,12 +130,48 @@ def refuse_unsupported(body: RequestFields) -> None:
         "response_format": body.response_format in (None, {"type": "text"}),
     }
     if isinstance(body, CompletionRequest):
-        neutral.update(echo=not body.echo, best_of=body.best_of in (None, 1), suffix=not body.suffix)
-    else:
-        neutral.update(top_logprobs=not body.top_logprobs)
+        neutral.update(best_of=body.best_of in (None, 1), suffix=not body.suffix)
     for field, ok in neutral.items():
         if not ok:
             raise InvalidArgument(field, "is not supported by specdec (only its default value is accepted)")
+
+
+def choices_of(body: RequestFields) -> int:
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidArgument("n", f"must be in [1, {MAX_CHOICES}], got {n}")
+    return n
+
+
+def logprobs_of(body: RequestFields) -> int | None:
+    """The alternatives per position a request asks log-probabilities with (None: no log-probabilities): chat's
+    logprobs and top_logprobs, or completions' logprobs."""
+    if isinstance(body, ChatCompletionRequest):
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
+            raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {top}")
+        if top and not body.logprobs:
+            raise InvalidArgument("top_logprobs", "needs logprobs: true")
+        return (top or 0) if body.logprobs else None
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise InvalidArgument("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {body.logprobs}")
+    return body.logprobs
+
+
+def logit_bias_into(request: generation_pb2.GenerateRequest, bias: dict[str, float] | None) -> None:
+    for key, value in (bias or {}).items():
+        try:
+            request.logit_bias[int(key)] = value
+        except (ValueError, TypeError):
+            raise InvalidArgument("logit_bias", f"key {key!r} is not a token id") from None
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request: the request's own for the first (so n = 1 and the first of n give
+    the same text), one drawn from it for each other; None (fresh randomness) without a seed."""
+    if seed is None or index == 0:
+        return seed
+    return stream_seed(seed, f"choice:{index}")
 
 
 def prompt_into(request: generation_pb2.GenerateRequest, prompt) -> None:
@@ -160,9 +201,19 @@ def generate_request_of(
 ) -> generation_pb2.GenerateRequest:
     """The GenerateRequest an OpenAI request stands for."""
     refuse_unsupported(body)
+    choices_of(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    request = generation_pb2.GenerateRequest(stop=stop, ignore_eos=bool(body.ignore_eos))
+    logprobs = logprobs_of(body)
+    # echo with logprobs: the prompt's own log-probabilities (lm-evaluation-harness's loglikelihood requests).
+    prompt_logprobs = bool(getattr(body, "echo", False)) and logprobs is not None
+    request = generation_pb2.GenerateRequest(stop=stop, ignore_eos=bool(body.ignore_eos), prompt_logprobs=prompt_logprobs)
+    logit_bias_into(request, body.logit_bias)
     optional = {
+        "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "logprobs": logprobs,
         "max_new_tokens": max_tokens_of(body, default_max_tokens),
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -199,74 +250,176 @@ def param_of(field: str, body: RequestFields | None) -> str:
         return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
     if field.startswith("stop[") and isinstance(getattr(body, "stop", None), str):
         return "stop"
-    return {"prompt_token_ids": "prompt", "input": "prompt"}.get(field, field)
+    if field == "logprobs" and isinstance(body, ChatCompletionRequest):
+        return "top_logprobs"
+    return {"prompt_token_ids": "prompt", "input": "prompt", "prompt_logprobs": "echo"}.get(field, field)
 
 
-def speculation_of(result: GenerationResult, by_position: bool) -> dict:
+def speculation_of(results: list[GenerationResult], by_position: bool) -> dict:
+    """specdec's figures of a request, summed over its choices."""
+    drafted = sum(r.drafted_tokens for r in results)
+    accepted = sum(r.accepted_tokens for r in results)
+    rounds = sum(len(r.rounds) for r in results)
     speculation = {
-        "drafted_tokens": result.drafted_tokens,
-        "accepted_tokens": result.accepted_tokens,
-        "acceptance_rate": result.acceptance_rate,
-        "rounds": len(result.rounds),
-        "mean_tokens_per_round": result.mean_tokens_per_round,
-        "num_speculative_tokens": result.num_speculative_tokens,
-        "fallback_reason": result.fallback_reason,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "rounds": rounds,
+        "mean_tokens_per_round": sum(r.mean_tokens_per_round * len(r.rounds) for r in results) / rounds if rounds else 0.0,
+        "num_speculative_tokens": results[0].num_speculative_tokens,
+        "fallback_reason": next((r.fallback_reason for r in results if r.fallback_reason), ""),
     }
     if by_position:
+        drafted_at, accepted_at = Counter(), Counter()
+        for result in results:
+            for p, d, a in result.by_position():
+                drafted_at[p] += d
+                accepted_at[p] += a
         speculation["by_position"] = [
-            {"position": p, "drafted": d, "accepted": a, "acceptance_rate": a / d} for p, d, a in result.by_position()
+            {"position": p, "drafted": d, "accepted": accepted_at[p], "acceptance_rate": accepted_at[p] / d}
+            for p, d in sorted(drafted_at.items())
         ]
     return speculation
 
 
-def usage_of(result: GenerationResult) -> dict:
-    completion = len(result.token_ids)
+def usage_of(results: list[GenerationResult]) -> dict:
+    completion = sum(len(r.token_ids) for r in results)
+    prompt = results[0].prompt_tokens
     return {
-        "prompt_tokens": result.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": result.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": results[0].cached_prompt_tokens},
     }
 
 
-class Completion:
-    """The envelope of one response: its id, creation time, model and kind (chat or text completion)."""
+class LogprobsFormat:
+    """Token log-probabilities in OpenAI's shapes: chat's `content` list, or completions' parallel lists."""
 
-    def __init__(self, chat: bool, model: str, by_position: bool):
+    def __init__(self, tokenizer: Tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def chat_content(self, token_ids: list[int], entries: list[TokenLogprob]) -> dict:
+        return {
+            "content": [
+                {
+                    **self.chat_entry(token, entry.logprob),
+                    "top_logprobs": [self.chat_entry(t, lp) for t, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)],
+                }
+                for token, entry in zip(token_ids, entries, strict=True)
+            ]
+        }
+
+    def completion_lists(self, token_ids: list[int], entries: list[TokenLogprob | None], offset: int) -> dict:
+        """entries: None where a token has none (the prompt's first); offset: where the first token's text begins
+        in the choice's text. Each position's top_logprobs holds its own token too, as vLLM's do (an eval harness
+        checks that a token was the likeliest by comparing it with their maximum)."""
+        tokens, top, offsets = [], [], []
+        for token, entry in zip(token_ids, entries, strict=True):
+            text = self.token(token)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if entry is None:
+                top.append(None)
+                continue
+            alternatives = {self.token(t): lp for t, lp in zip(entry.top_ids, entry.top_logprobs, strict=True)}
+            top.append(alternatives | {text: entry.logprob} if text not in alternatives else alternatives)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+
+class Completion:
+    """The envelope of one response: its id, creation time, model and kind (chat or text completion), and how its
+    choices are told (their log-probabilities; with echo, the prompt before each choice's text)."""
+
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        by_position: bool,
+        tokenizer: Tokenizer | None = None,
+        params: GenerationParams | None = None,
+        echo: str | None = None,
+    ):
         self.chat, self.model, self.by_position = chat, model, by_position
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.logprobs = params is not None and params.logprobs is not None
+        self.format = LogprobsFormat(tokenizer, chat) if self.logprobs else None
+        self.echo = echo  # the prompt's text, which a completion's choices begin with (None: no echo)
+        self.prompt_ids = params.prompt_token_ids if params is not None else []
+        self.offsets: dict[int, int] = {}  # per streamed choice: the length of its text so far
 
     def envelope(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def choice(self, text: str, finish_reason: str | None, chunk: bool, first: bool = False) -> dict:
+    def echoed(self, prompt_logprobs: list[TokenLogprob]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The prompt's tokens and their entries (none for the first), where a completion echoes them."""
+        if self.echo is None or not self.logprobs:
+            return [], []
+        return self.prompt_ids, [None, *prompt_logprobs]
+
+    def logprobs_of(self, token_ids: list[int], entries: list[TokenLogprob], prompt: tuple = ([], []), offset: int = 0):
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return self.format.chat_content(token_ids, entries)
+        return self.format.completion_lists([*prompt[0], *token_ids], [*prompt[1], *entries], offset)
+
+    def choice(self, index: int, text: str, finish_reason: str | None, chunk: bool, first: bool = False, logprobs=None) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         if chunk:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": None}
+            return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
 
-    def whole(self, result: GenerationResult) -> dict:
-        finish = FINISH_REASON_NAMES.get(result.finish_reason)
+    def whole(self, results: list[GenerationResult]) -> dict:
+        choices = []
+        for index, result in enumerate(results):
+            prompt = self.echoed(results[0].prompt_logprobs)
+            logprobs = self.logprobs_of(result.token_ids, result.logprobs, prompt)
+            text = (self.echo or "") + result.text
+            choices.append(self.choice(index, text, FINISH_REASON_NAMES.get(result.finish_reason), False, logprobs=logprobs))
         return {
             **self.envelope(chunk=False),
-            "choices": [self.choice(result.text, finish, chunk=False)],
-            "usage": usage_of(result),
-            "speculation": speculation_of(result, self.by_position),
+            "choices": choices,
+            "usage": usage_of(results),
+            "speculation": speculation_of(results, self.by_position),
         }
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
-        return {**self.envelope(chunk=True), "choices": [self.choice(text, finish_reason, chunk=True, first=first)]}
+    def chunk(
+        self, index: int, text: str, finish_reason: str | None = None, first: bool = False, delta: Delta | None = None
+    ) -> dict:
+        """A chunk of choice `index`: its text and, when asked for, the log-probabilities of delta's tokens."""
+        logprobs = None
+        text = (self.echo if first and self.echo is not None else "") + text
+        if delta is not None and self.logprobs:
+            offset = self.offsets.get(index, 0) + len(text) - len(delta.text)
+            logprobs = self.logprobs_of(delta.token_ids, delta.logprobs, offset=offset)
+        self.offsets[index] = self.offsets.get(index, 0) + len(text)
+        return {**self.envelope(chunk=True), "choices": [self.choice(index, text, finish_reason, True, first, logprobs)]}
 
-    def usage_chunk(self, result: GenerationResult) -> dict:
+    def usage_chunk(self, results: list[GenerationResult]) -> dict:
         return {
             **self.envelope(chunk=True),
             "choices": [],
-            "usage": usage_of(result),
-            "speculation": speculation_of(result, self.by_position),
+            "usage": usage_of(results),
+            "speculation": speculation_of(results, self.by_position),
         }
 
 
@@ -438,10 +591,18 @@ class CompletionHandler:
             slot.enter_context(self.admission.slot())
             admitted = True
             params = await params_of(generate_request, engine.tokenizer, engine.config)
-            completion = Completion(chat, engine.target.model_name, bool(body.speculation_by_position))
+            echo = echo_text(body, params, engine.tokenizer)
+            completion = Completion(
+                chat, engine.target.model_name, bool(body.speculation_by_position), engine.tokenizer, params, echo
+            )
             # Under FastAPI's HTTP server span: the span of a request that arrived over HTTP, not the server's own.
-            limit = http.http_request_timeout
-            events = before_deadline(engine.generate(params, request_context(request), limit, kind=SpanKind.INTERNAL), limit)
+            limit, context = http.http_request_timeout, request_context(request)
+            choices = choice_params(params, choices_of(body))
+            if len(choices) > 1 and engine.target.prefix_cache_tokens:
+                await prefill_once(engine, params, context, limit)
+            events = merged(
+                [before_deadline(engine.generate(choice, context, limit, kind=SpanKind.INTERNAL), limit) for choice in choices]
+            )
             if not body.stream:
                 handed_off = True
                 return await whole_response(request, events, completion, slot, body)
@@ -477,9 +638,83 @@ def add_routes(app: FastAPI, engine: GenerationEngine, handler: CompletionHandle
         return await handler.complete(request, body, chat=True, default_max_tokens=None)
 
 
+def choice_params(params: GenerationParams, n: int) -> list[GenerationParams]:
+    """The parameters of each of n choices: the request's, each with its own seed (choice_seed); only the first
+    scores the prompt (the others would only repeat its numbers)."""
+    return [
+        replace(
+            params,
+            sampling=replace(params.sampling, seed=choice_seed(params.sampling.seed, i)),
+            prompt_logprobs=params.prompt_logprobs and i == 0,
+        )
+        for i in range(n)
+    ]
+
+
+async def prefill_once(engine: GenerationEngine, params: GenerationParams, context, limit: float) -> None:
+    """n choices of one prompt prefill it once: a request that only prefills it (max_new_tokens 0) leaves its keys
+    and values in the target's prefix cache as it closes, and each choice's session starts from a copy of them. Only
+    where the target keeps a prefix cache (elsewhere this would be one prefill more)."""
+    only_prefill = replace(params, max_new_tokens=0, num_speculative_tokens=0, logprobs=None, prompt_logprobs=False)
+    events = before_deadline(engine.generate(only_prefill, context, limit, kind=SpanKind.INTERNAL), limit)
+    async with contextlib.aclosing(events):
+        async for _ in events:
+            pass
+
+
+def echo_text(body: RequestFields, params: GenerationParams, tokenizer: Tokenizer) -> str | None:
+    """The text a completion with echo begins with: the prompt as sent, or its token ids decoded."""
+    if not getattr(body, "echo", False):
+        return None
+    prompt = (
+        body.prompt[0]
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list))
+        else body.prompt
+    )
+    return prompt if isinstance(prompt, str) else tokenizer.decode(params.prompt_token_ids)
+
+
+async def merged(streams: list) -> AsyncIterator[tuple[int, Delta | GenerationResult]]:
+    """The events of several choices' streams as they come, each as (choice index, event); the first error ends
+    all of them. Every stream is closed when this generator is (its sessions with it)."""
+    if len(streams) == 1:
+        try:
+            async for event in streams[0]:
+                yield 0, event
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for event in stream:
+                await queue.put((index, event, None))
+            await queue.put((index, None, None))
+        except Exception as error:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((index, None, error))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            index, event, error = await queue.get()
+            if error is not None:
+                raise error
+            if event is None:
+                running -= 1
+                continue
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
+
 async def whole_response(request: Request, events, completion: Completion, slot: contextlib.ExitStack, body):
     """Runs the request to its end; a client that disconnects meanwhile stops it (answered 499, which nobody reads)."""
-    task = asyncio.ensure_future(last_event(events))
+    task = asyncio.ensure_future(results_of(events))
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
@@ -520,31 +755,40 @@ async def before_deadline(events, seconds: float):
         await events.aclose()
 
 
-async def last_event(events):
-    async for event in events:
+async def results_of(events) -> list[GenerationResult]:
+    """Each choice's result, in order of the choices."""
+    results: dict[int, GenerationResult] = {}
+    async for index, event in events:
         if isinstance(event, GenerationResult):
-            return event
-    raise RuntimeError("generation ended without a result")
+            results[index] = event
+    if not results or sorted(results) != list(range(len(results))):
+        raise RuntimeError("generation ended without a result")
+    return [results[i] for i in range(len(results))]
 
 
 async def stream_events(first, events, completion: Completion, include_usage: bool) -> AsyncIterator[str]:
     """The SSE body: a chunk per committed delta, the finish reason, then usage if asked, then [DONE]. An error
     after the stream began is sent as an error event (the status line is gone by then)."""
-    opened = False
-    event = first
+    opened: set[int] = set()  # the choices whose first chunk went out
+    results: dict[int, GenerationResult] = {}
+    index, event = first
     try:
         while True:
             if isinstance(event, Delta):
-                if event.text or not opened:
-                    yield sse(completion.chunk(event.text, first=not opened))
-                    opened = True
+                if event.text or event.logprobs or index not in opened:
+                    yield sse(completion.chunk(index, event.text, first=index not in opened, delta=event))
+                    opened.add(index)
             else:
                 finish = FINISH_REASON_NAMES.get(event.finish_reason)
-                yield sse(completion.chunk("", finish, first=not opened))
-                if include_usage:
-                    yield sse(completion.usage_chunk(event))
+                yield sse(completion.chunk(index, "", finish, first=index not in opened))
+                opened.add(index)
+                results[index] = event
+            try:
+                index, event = await anext(events)
+            except StopAsyncIteration:
                 break
-            event = await anext(events)
+        if include_usage:
+            yield sse(completion.usage_chunk([results[i] for i in sorted(results)]))
     except Exception as error:  # noqa: BLE001 - reported in the stream
         error_status, message = classified(error)
         yield sse(error_body(message, error_status.openai_type))

@@ -19,11 +19,16 @@ class InProcessTargetSession:
         num_p_entries: int,
         parent: Context | None,
         max_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ):
         self.engine = engine
-        self.session, opened = call_in_context(parent, engine.open_session, prompt, params, num_p_entries, max_tokens)
+        self.session, opened = call_in_context(
+            parent, engine.open_session, prompt, params, num_p_entries, max_tokens, logprobs, prompt_logprobs
+        )
         self.prefill_us = opened.compute_us
         self.reused_tokens = opened.reused_tokens
+        self.prompt_logprobs = opened.prompt_logprobs
         self.opening_overhead_us = 0  # no transport
         self.decodes_ahead = False  # in process there is no exchange for a pass to hide behind
 
@@ -105,8 +110,10 @@ class InProcessWorkers:
         parent: Context | None = None,
         like: TargetSession | None = None,
         max_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> TargetSession:
-        return InProcessTargetSession(self.target, prompt, params, num_p_entries, parent, max_tokens)
+        return InProcessTargetSession(self.target, prompt, params, num_p_entries, parent, max_tokens, logprobs, prompt_logprobs)
 
     async def open_draft(
         self,

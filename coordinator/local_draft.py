@@ -76,8 +76,10 @@ class LocalDraftWorkers:
         parent: Context | None = None,
         like: TargetSession | None = None,
         max_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> TargetSession:
-        return await self.workers.open_target(prompt, params, num_p_entries, parent, like, max_tokens)
+        return await self.workers.open_target(prompt, params, num_p_entries, parent, like, max_tokens, logprobs, prompt_logprobs)
 
     async def open_draft(
         self,

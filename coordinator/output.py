@@ -15,6 +15,7 @@ from specdec.v1 import generation_pb2
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list = field(default_factory=list)  # per token of token_ids, when the request asked for them
 
 
 def prefix_function(pattern: str) -> list[int]:

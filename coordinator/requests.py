@@ -3,7 +3,8 @@
 import asyncio
 
 from common.errors import InvalidArgument
-from common.protocol import DRAFT_SOURCES
+from common.protocol import DRAFT_SOURCES, logit_bias_of, logprob_to_proto
+from common.wire_limits import MAX_TOP_LOGPROBS
 from common.sampling import SamplingParams
 from common.tokenizer import CHAT_ROLES, Tokenizer
 from common.validation import check_sampling
@@ -74,11 +75,11 @@ def prompt_tokens_of(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
 def sampling_of(request: generation_pb2.GenerateRequest) -> SamplingParams:
     """The request's sampling fields (unset: SamplingParams' defaults), checked as the workers check theirs."""
     defaults = SamplingParams()
+    optional = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
     params = SamplingParams(
-        temperature=request.temperature if request.HasField("temperature") else defaults.temperature,
-        top_k=request.top_k if request.HasField("top_k") else defaults.top_k,
-        top_p=request.top_p if request.HasField("top_p") else defaults.top_p,
+        **{name: getattr(request, name) if request.HasField(name) else getattr(defaults, name) for name in optional},
         seed=request.seed if request.HasField("seed") else None,
+        logit_bias=logit_bias_of(request.logit_bias),
     )
     check_sampling(params)
     return params
@@ -88,8 +89,14 @@ async def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenize
     """Every field checked, then the prompt tokenized (on a thread when it is long)."""
     check_prompt_input(request, config)
     max_new_tokens = request.max_new_tokens if request.HasField("max_new_tokens") else config.default_max_new_tokens
-    if not 1 <= max_new_tokens <= config.max_new_tokens_cap:
-        raise InvalidArgument("max_new_tokens", f"must be in [1, {config.max_new_tokens_cap}], got {max_new_tokens}")
+    least = 0 if request.prompt_logprobs else 1  # 0: score the prompt only
+    if not least <= max_new_tokens <= config.max_new_tokens_cap:
+        raise InvalidArgument("max_new_tokens", f"must be in [{least}, {config.max_new_tokens_cap}], got {max_new_tokens}")
+    logprobs = request.logprobs if request.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+    if request.prompt_logprobs and logprobs is None:
+        raise InvalidArgument("prompt_logprobs", "needs logprobs (the alternatives per position)")
     gamma = (
         request.num_speculative_tokens if request.HasField("num_speculative_tokens") else config.default_num_speculative_tokens
     )
@@ -121,6 +128,8 @@ async def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenize
         gamma_schedule=GAMMA_SCHEDULES[request.gamma_schedule],
         overlap=request.overlap if request.HasField("overlap") else config.overlap,
         max_new_tokens_given=request.HasField("max_new_tokens"),
+        logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs,
     )
 
 
@@ -167,12 +176,16 @@ def response_of(result: GenerationResult, include_rounds: bool = False) -> gener
         ),
         time_split=time_split_of(result.time_split),
         rounds=[round_of(r) for r in result.rounds] if include_rounds else [],
+        logprobs=[logprob_to_proto(e) for e in result.logprobs],
+        prompt_logprobs=[logprob_to_proto(e) for e in result.prompt_logprobs],
     )
 
 
 def stream_message_of(event: Delta | GenerationResult, include_rounds: bool = False) -> generation_pb2.GenerateStreamResponse:
     if isinstance(event, Delta):
         return generation_pb2.GenerateStreamResponse(
-            delta=generation_pb2.GenerateDelta(text=event.text, token_ids=event.token_ids)
+            delta=generation_pb2.GenerateDelta(
+                text=event.text, token_ids=event.token_ids, logprobs=[logprob_to_proto(e) for e in event.logprobs]
+            )
         )
     return generation_pb2.GenerateStreamResponse(final=response_of(event, include_rounds))

@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 
 from common.rounds import DraftSource
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -25,6 +25,8 @@ class GenerationParams:
     # The caller asked for max_new_tokens: then prompt + max_new_tokens must fit the context (an error, as in vLLM);
     # a default is only an upper bound, cut to what the context leaves.
     max_new_tokens_given: bool = False
+    logprobs: int | None = None  # each output token's log-probability, with this many alternatives (None: off)
+    prompt_logprobs: bool = False  # the prompt's too (max_new_tokens may then be 0)
 
 
 @dataclass
@@ -105,6 +107,8 @@ class GenerationResult:
     fallback_reason: str = ""
     overlap: bool = False
     cached_prompt_tokens: int = 0  # prompt tokens the target reused from its prefix cache
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token of token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # per prompt token after the first
 
     @property
     def overlapped_rounds(self) -> int:

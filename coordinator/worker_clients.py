@@ -11,7 +11,13 @@ from opentelemetry.context import Context
 
 from common.auth import token_interceptors
 from common.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerFailed
-from common.protocol import DRAFT_SOURCE_OF, distribution_from_proto, distribution_to_proto, sampling_to_proto
+from common.protocol import (
+    DRAFT_SOURCE_OF,
+    distribution_from_proto,
+    distribution_to_proto,
+    logprob_from_proto,
+    sampling_to_proto,
+)
 from common.rounds import DraftQ, DraftSource, Proposal, Verdict
 from common.sampling import SamplingParams, SparseDistribution
 from common.grpc_options import CHANNEL_OPTIONS
@@ -150,16 +156,29 @@ class GrpcTargetSession(StreamSession):
         self.decodes_ahead = bool(member is not None and member.info is not None and member.info.decodes_ahead)
 
     async def open(
-        self, prompt: list[int], params: SamplingParams, num_p_entries: int, parent: Context | None, max_tokens: int = 0
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        num_p_entries: int,
+        parent: Context | None,
+        max_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> "GrpcTargetSession":
         start = target_pb2.VerifySessionStart(
-            prompt_token_ids=prompt, sampling=sampling_to_proto(params), num_p_entries=num_p_entries, max_tokens=max_tokens
+            prompt_token_ids=prompt,
+            sampling=sampling_to_proto(params),
+            num_p_entries=num_p_entries,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         sent = time.perf_counter()
         response, _, _ = await self.exchange(target_pb2.VerifyRequest(start=start), parent)
         timing = response.started.timing
         self.prefill_us = timing.compute_us
         self.reused_tokens = response.started.reused_tokens
+        self.prompt_logprobs = [logprob_from_proto(e) for e in response.started.prompt_logprobs]
         if not self.waited_for_ready:
             self.opening_overhead_us = max(0, elapsed_us(sent) - timing.compute_us - timing.queue_us)
         return self
@@ -182,6 +201,7 @@ class GrpcTargetSession(StreamSession):
             rollback=result.rollback,
             draft_token_probs=list(result.draft_token_probs),
             distributions=[distribution_from_proto(d) for d in result.distributions],
+            logprobs=[logprob_from_proto(e) for e in result.logprobs],
             compute_us=result.timing.compute_us,
             sync_us=result.timing.sync_us,
             bytes_sent=sent,
@@ -333,6 +353,8 @@ class GrpcWorkers:
         parent: Context | None = None,
         like: GrpcTargetSession | None = None,
         max_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> GrpcTargetSession:
         """like: the failed session this one replaces; the new one goes to a worker of the same model and numerics.
         A pool with no healthy member still tries one that may be restarting or recovering, waiting for it to be
@@ -341,7 +363,7 @@ class GrpcWorkers:
         return await open_on_pool(
             self.target_pool,
             GrpcTargetSession,
-            lambda s: s.open(prompt, params, num_p_entries, parent, max_tokens),
+            lambda s: s.open(prompt, params, num_p_entries, parent, max_tokens, logprobs, prompt_logprobs),
             True,
             same_as,
         )

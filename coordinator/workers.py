@@ -59,6 +59,7 @@ class DraftSession(Protocol):
 class TargetSession(Protocol):
     prefill_us: int
     reused_tokens: int  # of the prompt, from the target's prefix cache (SessionStarted.reused_tokens)
+    prompt_logprobs: list  # SessionStarted.prompt_logprobs (common.sampling.TokenLogprob)
     opening_overhead_us: int  # the opening's round trip beyond the worker's work and waiting
     # Its worker takes decode_ahead (GetInfoResponse.decodes_ahead). Asked of the session, not the deployment: a
     # pool may hold workers of other engines for a while (a rolling update), and one that refuses the flag would
@@ -104,6 +105,8 @@ class Workers(Protocol):
         parent: Context | None = None,
         like: TargetSession | None = None,  # a failed session this one replaces: same model, same numerics
         max_tokens: int = 0,  # most tokens the session will hold, reserved on the worker (0: its context)
+        logprobs: int | None = None,  # the committed tokens' log-probabilities, with this many alternatives
+        prompt_logprobs: bool = False,  # the prompt's too (the session's prompt_logprobs)
     ) -> TargetSession: ...
 
     async def open_draft(

@@ -19,7 +19,7 @@ from common.sampling import SamplingParams
 from common.sessions import SessionRegistry, session_reservation
 from common.telemetry import tracer
 from common.timing import elapsed_us
-from common.validation import check_count, check_sampling
+from common.validation import MAX_TOKEN_ID, check_count, check_sampling, check_sampling_tokens
 from common.wire_limits import MAX_Q_ENTRIES, MAX_STEP_TOKENS
 from common.worker_metrics import WorkerMetrics
 from draft_worker.proposer import DraftState, Proposer
@@ -79,6 +79,7 @@ class DraftEngine:
         prefilled by prefill_chunk, a chunk at a time, and the session added by finish_opening."""
         self.proposer.check_prompt(prompt)
         check_sampling(params, "start.sampling")
+        check_sampling_tokens(params, prompt, self.proposer.vocab_size or MAX_TOKEN_ID, "start.sampling")
         check_count(max_q_entries, MAX_Q_ENTRIES, "start.max_q_entries")
         reservation = session_reservation(max_tokens, len(prompt), self.proposer.max_context_length)
         session_id = self.sessions.reserve(reservation)

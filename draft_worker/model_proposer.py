@@ -11,7 +11,14 @@ from common.loaded_model import LoadedModel
 from common.prefix_cache import prefix_cache_for
 from common.protocol import model_info
 from common.rounds import DraftSource, Proposal
-from common.sampling import SamplingParams, logits_to_probs, make_generator, sample_sparse, truncate_probs
+from common.sampling import (
+    SamplingParams,
+    adjusted_logits,
+    logits_to_probs,
+    make_generator,
+    sample_sparse,
+    truncate_probs,
+)
 from common.validation import check_prompt, check_token_ids
 from draft_worker.proposer import Proposer
 
@@ -33,6 +40,7 @@ class ModelDraftSession:
         self.params = params
         self.generator = make_generator(params.seed, "draft")
         self.max_q_entries = max_q_entries
+        self.output_from = len(prompt) - params.generated_tokens  # where the output begins (the logit adjustments')
         self.chain: list[int] = []
         self.reused_tokens: int | None = None  # of its prompt, from the prefix cache (None: not looked up yet)
         self.start_step(0, False)
@@ -75,6 +83,10 @@ class ModelDraftSession:
         return (self.sequence.tokens + self.chain)[self.sequence.cache_len :]
 
     def consume(self, logits: torch.Tensor) -> None:
+        if self.params.adjusts_logits:
+            # As the target adjusts its row at this position: by the committed tokens and the chain before it.
+            context = self.sequence.tokens + self.chain
+            logits = adjusted_logits(as_sampling_input(logits)[None], self.params, context, self.output_from, [])[0]
         if self.guessing:
             # The target's bonus token is unknown while it verifies: stand in the draft's likeliest token.
             token = int(logits.argmax())

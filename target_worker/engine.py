@@ -26,9 +26,12 @@ from common.protocol import model_info, worker_info
 from common.rounds import DraftQ, Verdict
 from common.sampling import (
     SamplingParams,
+    TokenLogprob,
     accept_while_argmax,
+    adjusted_logits,
     logits_to_probs,
     make_generator,
+    token_logprobs,
     top_entries,
     verify_draft,
 )
@@ -37,12 +40,13 @@ from common.sessions import SessionRegistry, session_reservation
 from common.telemetry import tracer
 from common.timing import elapsed_us
 from common.worker_metrics import WorkerMetrics
-from common.wire_limits import MAX_P_ENTRIES, MAX_Q_ENTRIES, MAX_STEP_TOKENS
+from common.wire_limits import MAX_P_ENTRIES, MAX_Q_ENTRIES, MAX_STEP_TOKENS, MAX_TOP_LOGPROBS
 from common.validation import (
     check_count,
     check_distribution,
     check_prompt,
     check_sampling,
+    check_sampling_tokens,
     check_token_ids,
 )
 
@@ -56,6 +60,9 @@ class TargetSession:
     num_p_entries: int
     last_active: float = field(default_factory=time.monotonic)
     ahead: "Ahead | None" = None  # its pending token, scored before its round arrived
+    output_from: int = 0  # where the request's output begins in its tokens (the logit adjustments' prompt ends)
+    logprobs: int | None = None  # the committed tokens' log-probabilities, with this many alternatives (None: off)
+    prompt_logprobs: list[TokenLogprob] | None = None  # filled by the prefill when asked for (None: not asked)
 
     @property
     def can_run_ahead(self) -> bool:
@@ -68,6 +75,10 @@ class TargetSession:
     def argmax_verdict(self) -> bool:
         """Greedy and reporting no p: p is one-hot, so a verdict reads only the argmax of the logits, never q."""
         return self.params.greedy and not self.num_p_entries
+
+    def adjusted(self, logits: torch.Tensor, draft_tokens: list[int]) -> torch.Tensor:
+        """The rows of a round, each adjusted as a one-at-a-time target would have at its position."""
+        return adjusted_logits(logits, self.params, self.sequence.tokens, self.output_from, draft_tokens)
 
 
 @dataclass
@@ -119,6 +130,11 @@ class PrefillCall:
 Call = VerifyCall | AheadCall | PrefillCall
 
 
+def keeps_rows(call: Call) -> bool:
+    """Whether a call keeps the logits of every token it feeds (else only the last one's)."""
+    return isinstance(call, VerifyCall) or (isinstance(call, PrefillCall) and call.session.prompt_logprobs is not None)
+
+
 @dataclass
 class SessionOpened:
     session_id: str
@@ -126,6 +142,7 @@ class SessionOpened:
     compute_us: int
     queue_us: int = 0  # waiting in the worker beside its passes (for a batch, for the other chunks' turns)
     reused_tokens: int = 0  # of the prompt, copied from a closed session's cache instead of computed
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when the opening asked for them
 
 
 class TargetEngine:
@@ -148,19 +165,40 @@ class TargetEngine:
         self.metrics = WorkerMetrics("target", self.sessions)
 
     def begin_session(
-        self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0, max_tokens: int = 0
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        num_p_entries: int = 0,
+        max_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> TargetSession:
         """Checks the opening and reserves the session (and its max_tokens of the KV budget); its prompt is
-        prefilled by a PrefillCall in a batch."""
+        prefilled by a PrefillCall in a batch. logprobs: the committed tokens' log-probabilities with this many
+        alternatives (None: none); prompt_logprobs: the prompt's too."""
         context = self.loaded.max_context_length
         check_prompt(prompt, self.loaded.vocab_size, context, "start.prompt_token_ids")
         check_sampling(params, "start.sampling")
+        check_sampling_tokens(params, prompt, self.loaded.vocab_size, "start.sampling")
         check_count(num_p_entries, MAX_P_ENTRIES, "start.num_p_entries")
+        if logprobs is not None:
+            check_count(logprobs, MAX_TOP_LOGPROBS, "start.logprobs")
+        elif prompt_logprobs:
+            raise InvalidArgument("start.prompt_logprobs", "needs start.logprobs (the alternatives per position)")
         reservation = session_reservation(max_tokens, len(prompt), context)
         session_id = self.sessions.reserve(reservation)
         try:
             sequence = CachedSequence(self.runner, prompt, reservation)
-            return TargetSession(session_id, sequence, params, make_generator(params.seed, "target"), num_p_entries)
+            return TargetSession(
+                session_id,
+                sequence,
+                params,
+                make_generator(params.seed, "target"),
+                num_p_entries,
+                output_from=len(prompt) - params.generated_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=[] if prompt_logprobs else None,
+            )
         except BaseException:
             self.sessions.release(session_id)
             raise
@@ -170,10 +208,16 @@ class TargetEngine:
         self.sessions.release(session.session_id)
 
     def open_session(
-        self, prompt: list[int], params: SamplingParams, num_p_entries: int = 0, max_tokens: int = 0
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        num_p_entries: int = 0,
+        max_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> tuple[TargetSession, SessionOpened]:
         """Opens and prefills one session on its own (a batch of one)."""
-        session = self.begin_session(prompt, params, num_p_entries, max_tokens)
+        session = self.begin_session(prompt, params, num_p_entries, max_tokens, logprobs, prompt_logprobs)
         try:
             return session, run_alone(self.run_batch, PrefillCall(session))
         except Exception:
@@ -251,7 +295,7 @@ class TargetEngine:
             call = calls[i]
             if isinstance(call, PrefillCall):
                 span.end()
-                results[i] = self.prefilled(call, forward_us)
+                results[i] = self.prefilled(call, rows.get(i), forward_us)
             elif isinstance(call, AheadCall):
                 span.end()
                 call.session.ahead = Ahead(rows[i].clone(), forward_us, len(ready), batch_tokens)
@@ -288,7 +332,9 @@ class TargetEngine:
             return True
         sequence = call.session.sequence
         try:
-            call.reused_tokens = self.prefixes.start_from(sequence.tokens, sequence.cache) if self.prefixes else 0
+            # The prompt's log-probabilities need every row of it computed.
+            reusing = self.prefixes is not None and call.session.prompt_logprobs is None
+            call.reused_tokens = self.prefixes.start_from(sequence.tokens, sequence.cache) if reusing else 0
             return True
         except Exception as error:  # noqa: BLE001 - e.g. no memory for the copy: this opening's failure alone
             results[index] = error
@@ -302,7 +348,8 @@ class TargetEngine:
         fed = [(i, f) for i, f in zip(ready, feeds, strict=True) if f]  # a one-token prompt has nothing to prefill
         sequences = [calls[i].session.sequence for i, _ in fed]
         feeds = [f for _, f in fed]
-        keep = [len(f) if isinstance(calls[i], VerifyCall) else 1 for i, f in fed]  # a round: a row per token fed
+        # A round keeps a row per token fed, and so does a prefill that reports the prompt's log-probabilities.
+        keep = [len(f) if keeps_rows(calls[i]) else 1 for i, f in fed]
         padding = self.padding(batch_tokens)
         if padding and fed:
             # More rows are cheaper than these on this device: pad with a throwaway sequence of its own.
@@ -311,10 +358,17 @@ class TargetEngine:
             sequences, feeds, keep = [*sequences, pad], [*feeds, [0] * padding], [*keep, padding]
         return [i for i, _ in fed], (sequences, feeds, keep)
 
-    def prefilled(self, call: PrefillCall, forward_us: int) -> SessionOpened | FailedPrecondition | Continue:
-        """An opening session after this pass: CONTINUE while chunks of its prompt remain, then SessionOpened."""
+    def prefilled(
+        self, call: PrefillCall, logits: torch.Tensor | None, forward_us: int
+    ) -> SessionOpened | FailedPrecondition | Continue:
+        """An opening session after this pass: CONTINUE while chunks of its prompt remain, then SessionOpened.
+        logits: the rows of the chunk this pass fed (each scoring the prompt token after it)."""
         call.compute_us += forward_us
-        sequence = call.session.sequence
+        session, sequence = call.session, call.session.sequence
+        if session.prompt_logprobs is not None and logits is not None:
+            scored = len(session.prompt_logprobs)
+            following = sequence.tokens[scored + 1 : scored + 1 + logits.shape[0]]
+            session.prompt_logprobs += token_logprobs(as_sampling_input(logits), following, session.logprobs)
         if sequence.cache_len < len(sequence.tokens) - 1:
             return CONTINUE  # chunks of its prompt still to run
         if not self.sessions.add(call.session.session_id, call.session):
@@ -326,6 +380,7 @@ class TargetEngine:
             call.compute_us,
             max(0, in_worker_us - call.compute_us),
             call.reused_tokens or 0,
+            call.session.prompt_logprobs or [],
         )
 
     def verified(
@@ -403,14 +458,15 @@ class TargetEngine:
         start = time.perf_counter()
         gamma = len(draft_tokens)
         try:
+            scores = session.adjusted(as_sampling_input(logits), draft_tokens) if session.params.adjusts_logits else logits
             if session.argmax_verdict:
                 # p is one-hot at the argmax: the verdict needs only the argmax, computed where the logits are.
-                argmax = logits.argmax(dim=-1).tolist()
+                argmax = scores.argmax(dim=-1).tolist()
                 num_accepted, next_token = accept_while_argmax(argmax, draft_tokens)
                 draft_token_probs = [float(a == x) for a, x in zip(argmax, draft_tokens, strict=False)]
                 distributions = []
             else:
-                probs = logits_to_probs(as_sampling_input(logits), session.params)
+                probs = logits_to_probs(as_sampling_input(scores), session.params)
                 num_accepted, next_token = verify_draft(probs, draft_tokens, call.draft_dists, session.params, session.generator)
                 draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
                 distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
@@ -428,8 +484,19 @@ class TargetEngine:
             sequence.crop_to(len(sequence.tokens) + num_accepted)
             sync_us = elapsed_us(sync_start)
         self.metrics.record_rollback(sync_us / 1e6)
-        sequence.tokens += draft_tokens[:num_accepted] + [next_token]
-        return Verdict(num_accepted, next_token, gamma - num_accepted, draft_token_probs, distributions, compute_us, sync_us)
+        committed = draft_tokens[:num_accepted] + [next_token]
+        logprobs = [] if session.logprobs is None else token_logprobs(as_sampling_input(logits), committed, session.logprobs)
+        sequence.tokens += committed
+        return Verdict(
+            num_accepted,
+            next_token,
+            gamma - num_accepted,
+            draft_token_probs,
+            distributions,
+            compute_us,
+            sync_us,
+            logprobs=logprobs,
+        )
 
     def close_session(self, session: TargetSession) -> None:
         if self.sessions.remove(session.session_id) and self.prefixes is not None:

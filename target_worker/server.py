@@ -7,7 +7,13 @@ import grpc
 
 from common.config import ServerOptions, WorkerConfig
 from common.models import load_model
-from common.protocol import distribution_from_proto, distribution_to_proto, sampling_from_proto, timing_to_proto
+from common.protocol import (
+    distribution_from_proto,
+    distribution_to_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+    timing_to_proto,
+)
 from common.grpc_server import start_serving
 from common.session_stream import SessionStreamServicer, serve_worker
 from common.timing import elapsed_us
@@ -27,7 +33,12 @@ class TargetServicer(SessionStreamServicer):
     async def open(self, request):
         start = request.start
         session = self.engine.begin_session(
-            list(start.prompt_token_ids), sampling_from_proto(start.sampling), start.num_p_entries, start.max_tokens
+            list(start.prompt_token_ids),
+            sampling_from_proto(start.sampling),
+            start.num_p_entries,
+            start.max_tokens,
+            start.logprobs if start.HasField("logprobs") else None,
+            start.prompt_logprobs,
         )
         try:
             opened = await self.batcher.submit(PrefillCall(session, self.parent(request)))
@@ -39,6 +50,7 @@ class TargetServicer(SessionStreamServicer):
             cached_tokens=opened.cached_tokens,
             reused_tokens=opened.reused_tokens,
             timing=timing_to_proto(opened.compute_us, queue_us=opened.queue_us),
+            prompt_logprobs=[logprob_to_proto(e) for e in opened.prompt_logprobs],
         )
         return session, target_pb2.VerifyResponse(started=started)
 
@@ -69,6 +81,7 @@ class TargetServicer(SessionStreamServicer):
                 rollback=verdict.rollback,
                 draft_token_probs=verdict.draft_token_probs,
                 distributions=[distribution_to_proto(d) for d in verdict.distributions],
+                logprobs=[logprob_to_proto(e) for e in verdict.logprobs],
                 timing=timing_to_proto(
                     verdict.compute_us,
                     verdict.sync_us,

@@ -7,13 +7,14 @@ thousands of requests fit in seconds; the gRPC layer carries these values unchan
 
 import asyncio
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 from scipy import stats
 
 from common.models import load_model
-from common.sampling import SamplingParams, logits_to_probs
+from common.sampling import SamplingParams, adjusted_logits, logits_to_probs
 from coordinator.config import CoordinatorConfig
 from coordinator.types import GenerationParams
 from coordinator.in_process import InProcessWorkers
@@ -39,13 +40,17 @@ def models():
 def enumerate_sequences(
     model, params: SamplingParams, tokens: int = TOKENS, prompt: list[int] = PROMPT
 ) -> dict[tuple[int, ...], float]:
-    """P(first `tokens` tokens) under target-only sampling, by scoring every prefix without any cache."""
+    """P(first `tokens` tokens) under target-only sampling, by scoring every prefix without any cache (and adjusting
+    each prefix's logits by its own tokens)."""
     vocab = model.vocab_size
     probs = {(): 1.0}
     for _ in range(tokens):
         prefixes = list(probs)
         with torch.no_grad():
-            logits = model.model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+            logits = model.model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1].float()
+        logits = torch.cat(
+            [adjusted_logits(logits[i : i + 1], params, prompt + list(p), len(prompt), []) for i, p in enumerate(prefixes)]
+        )
         step = logits_to_probs(logits, params)
         probs = {prefix + (t,): probs[prefix] * float(step[i, t]) for i, prefix in enumerate(prefixes) for t in range(vocab)}
     return probs
@@ -71,7 +76,7 @@ def sample_sequences(
         engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target.tokenizer)
         out, overlapped, drafted, accepted = [], 0, 0, 0
         for seed in range(samples):
-            sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
+            sampling = replace(params, seed=seed)
             request = GenerationParams(prompt, sampling, tokens, gamma, ignore_eos=True, overlap=overlap)
             result = await engine.generate_all(request)
             out.append(tuple(result.token_ids))
@@ -116,6 +121,24 @@ def test_speculative_samples_follow_the_exact_target_distribution(models, params
     assert chi_square_p_value(samples, exact) > 1e-3
     # The test can fail: the draft's own distribution is clearly rejected by the same samples.
     assert chi_square_p_value(samples, enumerate_sequences(draft, params)) < 1e-6
+
+
+PENALIZED = SamplingParams(
+    temperature=1.0, presence_penalty=1.0, frequency_penalty=0.7, repetition_penalty=1.8, logit_bias=((2, 1.5),), min_p=0.02
+)
+
+
+@pytest.mark.slow
+def test_speculative_samples_under_penalties_logit_bias_and_min_p_follow_the_exact_target_distribution(models):
+    target, draft = models
+    exact = enumerate_sequences(target, PENALIZED)
+    assert sum(exact.values()) == pytest.approx(1.0, abs=1e-5)
+    samples, _, (drafted, accepted) = sample_sequences(target, draft, PENALIZED, gamma=2, samples=1000)
+    assert drafted > 0 and 0 < accepted < drafted  # speculation ran, with rejections
+    assert chi_square_p_value(samples, exact) > 1e-3
+    # The test can fail: the same samples clearly reject the target's distribution without the adjustments.
+    plain = replace(PENALIZED, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=())
+    assert chi_square_p_value(samples, enumerate_sequences(target, plain)) < 1e-6
 
 
 def test_draft_disagrees_enough_to_exercise_rejections(models):

@@ -32,6 +32,7 @@ from target_worker.engine import TargetEngine
 from tests.conftest import prefilled, running_services
 from tests.test_distribution import chi_square_p_value, sample_sequences
 from tests.test_greedy_equivalence import generate_ids
+from coordinator.client import build_request
 
 SMOLLM2 = "smollm2-135m"
 QWEN = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
@@ -316,6 +317,61 @@ def test_greedy_speculation_on_the_gguf_engine_equals_target_only(smollm2):
                     assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0 and not stats.fallback_reason
 
     asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_logprobs_are_bit_identical_with_speculation_on_and_off_and_are_the_targets(smollm2):
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a"
+    ids = smollm2.tokenizer.encode(prompt)
+
+    def request(gamma: int):
+        message = build_request(prompt, max_new_tokens=20, temperature=0, ignore_eos=True, num_speculative_tokens=gamma)
+        message.logprobs, message.prompt_logprobs = 5, True
+        return message
+
+    async def run():
+        target = TargetEngine(smollm2, calibrate=False)  # gamma is fixed: no cost curve needed
+        async with running_services(target, DraftEngine(PromptLookupProposer(), "ngram")) as services:
+            reference = await services.stub.Generate(request(0))
+            assert len(reference.logprobs) == 20 and len(reference.prompt_logprobs) == len(ids) - 1
+            for gamma in (2, 6):
+                response = await services.stub.Generate(request(gamma))
+                assert response.speculation.drafted_tokens > 0 and response.speculation.accepted_tokens > 0
+                assert list(response.token_ids) == list(reference.token_ids)
+                # Protobuf equality compares the float32 values themselves: bit for bit.
+                assert list(response.logprobs) == list(reference.logprobs), f"gamma={gamma}"
+                assert list(response.prompt_logprobs) == list(reference.prompt_logprobs)
+            return reference
+
+    reference = asyncio.run(run())
+    # The target's own distribution, scored one token a step: the first answer token's, and the prompt's last one's.
+    runner = smollm2.runner
+    row = torch.log_softmax(runner.forward([prefilled(runner, ids[:-1])], [[ids[-1]]], [1])[0][0].float(), dim=-1)
+    first = reference.logprobs[0]
+    assert (
+        first.logprob == float(row[reference.token_ids[0]]) and list(first.top_token_ids) == torch.topk(row, 5).indices.tolist()
+    )
+    row = torch.log_softmax(runner.forward([prefilled(runner, ids[:-2])], [[ids[-2]]], [1])[0][0].float(), dim=-1)
+    assert reference.prompt_logprobs[-1].logprob == float(row[ids[-1]])
+
+
+def test_n_choices_share_one_prefill_through_the_prefix_cache(smollm2):
+    from tests.test_openai_api import in_process_coordinator
+
+    target = TargetEngine(smollm2, calibrate=False)
+
+    async def scenario(client, server):
+        prompt = "A list of fruits: apple, banana, cherry, and"
+        response = await client.completions.create(
+            model=SMOLLM2, prompt=prompt, max_tokens=4, n=3, temperature=1.0, seed=5, extra_body={"num_speculative_tokens": 0}
+        )
+        assert len({choice.text for choice in response.choices}) > 1
+        # Every choice's session started from the prompt a prefill-only request computed once (all but its last
+        # token, which each session scores itself).
+        assert response.usage.prompt_tokens_details.cached_tokens == response.usage.prompt_tokens - 1
+        assert target.prefixes.hits == 3
+
+    in_process_coordinator(scenario, target_engine=target)
 
 
 DIST_PROMPT = [1, 504, 3456, 314]  # "<|im_start|>" and three ordinary tokens

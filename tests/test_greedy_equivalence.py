@@ -15,10 +15,18 @@ MODEL_FREE = ("ngram", "suffix")  # drafting costs nothing: auto always drafts w
 DRAFT_PARAMS = [pytest.param(d, marks=() if d in (0.1, "suffix") else pytest.mark.slow) for d in DRAFTS]
 
 
-async def generate_ids(stub, prompt: str, gamma: int, max_new_tokens: int = 40, **options) -> tuple[list[int], object]:
+async def generate_ids(
+    stub, prompt: str, gamma: int, max_new_tokens: int = 40, adjust: dict | None = None, **options
+) -> tuple[list[int], object]:
+    """adjust: GenerateRequest's logit adjustments (penalties, logit_bias) to set."""
     request = build_request(
         prompt, max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True, num_speculative_tokens=gamma, **options
     )
+    for name, value in (adjust or {}).items():
+        if name == "logit_bias":
+            request.logit_bias.update(value)
+        else:
+            setattr(request, name, value)
     response = await stub.Generate(request)
     return list(response.token_ids), response.speculation
 
@@ -94,5 +102,26 @@ def test_greedy_output_matches_target_only_with_auto_gamma_heuristic_schedule_an
                         assert stats.acceptance_rate == 1.0 and stats.overlapped_rounds >= stats.rounds - 2
             if draft_kind in (0.0, 0.1):
                 assert hits > 0, "an accurate draft must make some overlapped proposals valid"
+
+    asyncio.run(run())
+
+
+PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.3}
+
+
+@pytest.mark.parametrize("draft_kind", [0.1, "suffix"], ids=lambda d: f"draft={d}")
+def test_greedy_output_under_penalties_and_logit_bias_matches_target_only(target_model, draft_models, draft_kind):
+    async def run():
+        async with running_services(TargetEngine(target_model), draft_engine_for(draft_models, draft_kind)) as services:
+            for prompt in PROMPTS:
+                plain, _ = await generate_ids(services.stub, prompt, gamma=0)
+                # The likeliest first token forbidden, another favoured: both show in the target-only output.
+                adjust = {**PENALTIES, "logit_bias": {plain[0]: -100.0, plain[5]: 2.0}}
+                reference, _ = await generate_ids(services.stub, prompt, gamma=0, adjust=adjust)
+                assert plain[0] not in reference and reference != plain
+                for gamma, options in [(1, {}), (5, {}), (2, {"overlap": True})]:
+                    ids, stats = await generate_ids(services.stub, prompt, gamma, adjust=adjust, **options)
+                    assert ids == reference, f"gamma={gamma} {options} diverged from target-only"
+                    assert stats.drafted_tokens > 0 and not stats.fallback_reason, (gamma, stats)
 
     asyncio.run(run())

@@ -135,7 +135,7 @@ def test_bad_input_gets_400_naming_the_field(client):
         ({"temperature": -1}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens"),
         # Beyond the cap, and beyond what the context leaves after the prompt (vLLM's 400, never a silent clamp):
         # both name the field the caller sent, in the message too.
@@ -155,6 +155,91 @@ def test_bad_input_gets_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=TARGET, messages=[{"role": "robot", "content": "hi"}])
     assert error.value.body["param"] == "messages[0].role"
+
+
+def test_bad_sampling_and_logprobs_fields_get_400_naming_the_callers_field(client, cluster):
+    sessions_before = open_sessions(cluster)
+    completions = [
+        ({"n": 0}, "n"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"256": 1}}, "logit_bias"),  # the vocabulary is [0, 256)
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"extra_body": {"min_p": 1.5}}, "min_p"),
+        ({"max_tokens": 0, "echo": True}, "max_tokens"),  # 0 tokens only to score the prompt (echo and logprobs)
+    ]
+    for options, param in completions:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=TARGET, prompt="bad", **options)
+        assert error.value.body["param"] == param and error.value.body["message"].startswith(param + ":"), (
+            options,
+            error.value.body,
+        )
+    chat = [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"), ({"n": 17}, "n")]
+    for options, param in chat:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": "hi"}], **options)
+        assert error.value.body["param"] == param, (options, error.value.body)
+    assert open_sessions(cluster) == sessions_before
+
+
+def test_n_choices_differ_with_their_own_seeds_and_repeat_with_the_same_seed(client):
+    def choices(n, seed, stream=False):
+        options = {"model": TARGET, "prompt": "Once", "max_tokens": 12, "temperature": 1.0, "n": n, "seed": seed}
+        if not stream:
+            return [c.text for c in sorted(client.completions.create(**options).choices, key=lambda c: c.index)]
+        texts = [""] * n
+        for chunk in client.completions.create(**options, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        return texts
+
+    four = choices(4, seed=7)
+    assert len(set(four)) == 4, four
+    assert choices(4, seed=7) == four and choices(4, seed=7, stream=True) == four
+    assert choices(1, seed=7) == four[:1]  # the first choice is the request's own seed
+    assert choices(4, seed=8) != four
+    response = client.completions.create(
+        model=TARGET, prompt="Once", max_tokens=5, n=3, **{k: v for k, v in GREEDY.items() if k != "max_tokens"}
+    )
+    assert response.usage.completion_tokens == 15 and response.speculation["drafted_tokens"] > 0
+
+
+def test_chat_logprobs_give_each_tokens_logprob_and_its_likeliest_alternatives(client):
+    messages = [{"role": "user", "content": "Count: one two three"}]
+    response = client.chat.completions.create(model=TARGET, messages=messages, logprobs=True, top_logprobs=3, **GREEDY)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == 24
+    for entry in content:
+        alternatives = [a.logprob for a in entry.top_logprobs]
+        assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+        assert entry.logprob == alternatives[0]  # greedy: every token is its position's likeliest
+    streamed = []
+    for chunk in client.chat.completions.create(
+        model=TARGET, messages=messages, logprobs=True, top_logprobs=3, stream=True, **GREEDY
+    ):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_an_eval_harness_asks(client):
+    prompt = [1 + b for b in b"Hello w"]  # token ids (of the byte-level tokenizer), as lm-evaluation-harness sends them
+    scored = client.completions.create(model=TARGET, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == "Hello w" and scored.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert logprobs.tokens == list("Hello w") and logprobs.text_offset == list(range(7))
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(logprobs.tokens[i] in logprobs.top_logprobs[i] for i in range(1, 7))
+    # One token more: the same prompt numbers, then the answer's.
+    more = client.completions.create(model=TARGET, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    assert more.choices[0].logprobs.token_logprobs[:7] == logprobs.token_logprobs
+    assert len(more.choices[0].logprobs.tokens) == 8 and more.choices[0].text.startswith("Hello w")
 
 
 def test_a_missing_or_wrong_token_gets_401(cluster):
@@ -189,7 +274,7 @@ def test_null_fields_take_their_defaults_and_other_sdks_fields_are_refused_or_ig
     refused = [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"seed": 2**64}, "seed"),
         ({"max_tokens": 2**40}, "max_tokens"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
@@ -245,7 +330,8 @@ def test_sixteen_concurrent_streaming_clients_all_complete_with_their_solo_outpu
 # Error statuses that need a coordinator in a given state: in this process, over a real target worker.
 
 
-def in_process_coordinator(scenario, max_concurrent_requests=256, retry_window=30.0):
+def in_process_coordinator(scenario, max_concurrent_requests=256, retry_window=30.0, target_engine=None):
+    """target_engine: the target worker's engine (default: one on the tiny random TARGET)."""
     from common.config import ServerOptions
     from common.models import load_model
     from coordinator.config import CoordinatorConfig, PoolSettings
@@ -255,8 +341,9 @@ def in_process_coordinator(scenario, max_concurrent_requests=256, retry_window=3
     from target_worker.server import start_target_server
 
     async def run():
-        model = load_model(TARGET)
-        target, port = await start_target_server(TargetEngine(model))
+        engine = target_engine or TargetEngine(load_model(TARGET))
+        model = engine.loaded
+        target, port = await start_target_server(engine)
         workers = GrpcWorkers(f"127.0.0.1:{port}", None, settings=PoolSettings(poll_interval=0.1))
         config = CoordinatorConfig(target_retry_window=retry_window)
         engine = await build_engine(workers, config, tokenizer=model.tokenizer)

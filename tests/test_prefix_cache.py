@@ -201,7 +201,7 @@ def test_the_response_reports_the_prompt_tokens_the_target_reused(smollm2):
 
 def test_the_http_usage_reports_the_cached_prompt_tokens_where_openai_does():
     result = GenerationResult("", [1, 2], 0, 30, 0, [], TimeSplit(), cached_prompt_tokens=29)
-    assert usage_of(result) == {
+    assert usage_of([result]) == {
         "prompt_tokens": 30,
         "completion_tokens": 2,
         "total_tokens": 32,

@@ -9,15 +9,18 @@ from scipy import stats
 from common.sampling import (
     SamplingParams,
     SparseDistribution,
+    adjusted_logits,
     densify,
     greedy_accept,
     logits_to_probs,
     make_generator,
+    mask_min_p,
     mask_top_k,
     mask_top_p,
     residual_probs,
     sample_sparse,
     speculative_accept,
+    token_logprobs,
     truncate_probs,
     verify_draft,
 )
@@ -174,3 +177,50 @@ def test_extreme_logits_and_parameters_give_distributions_never_nan(temperature,
     assert 0 <= accepted <= 2 and 0 <= token < logits.shape[-1]
     if params.greedy:
         assert token == 0 and accepted == 2  # the argmax, first of the tied maxima
+
+
+PENALIZED = SamplingParams(
+    temperature=0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias=((3, 5.0), (9, -100.0))
+)
+
+
+def test_logit_adjustments_follow_their_definitions():
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, 4.0, 0.0, 0.0, 0.0, 0.0, 3.0]])
+    # Prompt [0, 1], output [2, 2, 1]: token 0 seen in the prompt only, 1 in both (once in the output), 2 twice.
+    adjusted = adjusted_logits(logits, PENALIZED, [0, 1, 2, 2, 1], 2, [])[0]
+    expected = logits[0].clone()
+    expected[0] = 1.0 / 2.0  # repetition only (prompt): a positive logit is divided
+    expected[1] = -1.0 * 2.0 - 0.25 * 1 - 0.5  # a negative one multiplied; frequency x 1; presence
+    expected[2] = 2.0 / 2.0 - 0.25 * 2 - 0.5
+    expected[3] = 0.5 + 5.0  # logit_bias
+    expected[9] = 3.0 - 100.0
+    assert adjusted.tolist() == pytest.approx(expected.tolist())
+
+
+def test_each_row_of_a_round_is_adjusted_bit_identically_to_a_one_at_a_time_decoder():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    context, drafted = [5, 7, 7, 12, 5], [7, 30, 30]
+    together = adjusted_logits(logits, PENALIZED, context, 3, drafted)
+    for i in range(4):
+        alone = adjusted_logits(logits[i : i + 1], PENALIZED, context + drafted[:i], 3, [])
+        assert torch.equal(together[i : i + 1], alone), f"row {i}"
+    # Nothing to adjust: the logits themselves, untouched.
+    assert adjusted_logits(logits, SamplingParams(), context, 3, drafted) is logits
+
+
+def test_min_p_keeps_tokens_at_least_that_fraction_of_the_likeliest():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    assert mask_min_p(probs, 0.2).tolist() == pytest.approx([0.5, 0.3, 0.15, 0.0])
+    assert torch.equal(mask_min_p(probs, 0.0), probs)
+
+
+def test_token_logprobs_are_the_raw_log_softmax_row_by_row():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 20)
+    entries = token_logprobs(logits, [4, 0, 19], 3)
+    for row, token, entry in zip(logits, [4, 0, 19], entries, strict=True):
+        reference = torch.log_softmax(row[None], dim=-1)[0]
+        assert entry.logprob == float(reference[token])
+        assert entry.top_ids == torch.topk(reference, 3).indices.tolist()
+        assert entry.top_logprobs == sorted(entry.top_logprobs, reverse=True)

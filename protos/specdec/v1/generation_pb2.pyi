@@ -62,7 +62,14 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "prompt_token_ids", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop", "ignore_eos", "num_speculative_tokens", "include_rounds", "gamma_schedule", "overlap")
+    __slots__ = ("prompt", "messages", "prompt_token_ids", "temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop", "ignore_eos", "num_speculative_tokens", "include_rounds", "gamma_schedule", "overlap", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +84,13 @@ class GenerateRequest(_message.Message):
     INCLUDE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
     prompt_token_ids: TokenIds
@@ -91,7 +105,14 @@ class GenerateRequest(_message.Message):
     include_rounds: bool
     gamma_schedule: GammaSchedule
     overlap: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., include_rounds: _Optional[bool] = ..., gamma_schedule: _Optional[_Union[GammaSchedule, str]] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    logprobs: int
+    prompt_logprobs: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., include_rounds: _Optional[bool] = ..., gamma_schedule: _Optional[_Union[GammaSchedule, str]] = ..., overlap: _Optional[bool] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -126,7 +147,7 @@ class SpeculationStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., fallback_reason: _Optional[str] = ..., overlap: _Optional[bool] = ..., overlapped_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage", "speculation", "time_split", "rounds")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "speculation", "time_split", "rounds", "logprobs", "prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +155,8 @@ class GenerateResponse(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     TIME_SPLIT_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
@@ -141,7 +164,9 @@ class GenerateResponse(_message.Message):
     speculation: SpeculationStats
     time_split: TimeSplit
     rounds: _containers.RepeatedCompositeFieldContainer[SpeculationRound]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., rounds: _Optional[_Iterable[_Union[SpeculationRound, _Mapping]]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_worker_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_worker_pb2.TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., rounds: _Optional[_Iterable[_Union[SpeculationRound, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[_worker_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_worker_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TimeSplit(_message.Message):
     __slots__ = ("prefill_us", "draft_us", "verify_us", "sync_us", "network_us", "coordinator_us", "total_us", "draft_overlapped_us", "queue_us", "handling_us", "verify_ahead_us")
@@ -196,12 +221,14 @@ class SpeculationRound(_message.Message):
     def __init__(self, gamma: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., rollback: _Optional[int] = ..., committed: _Optional[int] = ..., time_split: _Optional[_Union[TimeSplit, _Mapping]] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., overlapped: _Optional[bool] = ..., target_batch_size: _Optional[int] = ..., draft_source: _Optional[_Union[_worker_pb2.DraftSource, str]] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_worker_pb2.TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_worker_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("delta", "final")

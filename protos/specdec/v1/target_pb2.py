@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import worker_pb2 as specdec_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/worker.proto\"\x87\x01\n\x12VerifySessionStart\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rnum_p_entries\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\"x\n\nVerifyStep\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x14\n\x0c\x64\x65\x63ode_ahead\x18\x03 \x01(\x08\"\xe9\x01\n\rVerifyRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.specdec.v1.VerifySessionStartH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.specdec.v1.VerifyStepH\x00\x12\x42\n\rtrace_context\x18\x03 \x03(\x0b\x32+.specdec.v1.VerifyRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\xc9\x01\n\x0cVerifyResult\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x10\n\x08rollback\x18\x03 \x01(\x05\x12\x19\n\x11\x64raft_token_probs\x18\x04 \x03(\x02\x12\x35\n\rdistributions\x18\x05 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12(\n\x06timing\x18\x06 \x01(\x0b\x32\x18.specdec.v1.WorkerTiming\"s\n\x0eVerifyResponse\x12-\n\x07started\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.SessionStartedH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.specdec.v1.VerifyResultH\x00\x42\x06\n\x04kind2\x98\x01\n\rTargetService\x12\x43\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12\x42\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x1b.specdec.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/worker.proto\"\xc4\x01\n\x12VerifySessionStart\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rnum_p_entries\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x42\x0b\n\t_logprobs\"x\n\nVerifyStep\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x14\n\x0c\x64\x65\x63ode_ahead\x18\x03 \x01(\x08\"\xe9\x01\n\rVerifyRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.specdec.v1.VerifySessionStartH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.specdec.v1.VerifyStepH\x00\x12\x42\n\rtrace_context\x18\x03 \x03(\x0b\x32+.specdec.v1.VerifyRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\xf5\x01\n\x0cVerifyResult\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x10\n\x08rollback\x18\x03 \x01(\x05\x12\x19\n\x11\x64raft_token_probs\x18\x04 \x03(\x02\x12\x35\n\rdistributions\x18\x05 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12(\n\x06timing\x18\x06 \x01(\x0b\x32\x18.specdec.v1.WorkerTiming\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"s\n\x0eVerifyResponse\x12-\n\x07started\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.SessionStartedH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.specdec.v1.VerifyResultH\x00\x42\x06\n\x04kind2\x98\x01\n\rTargetService\x12\x43\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12\x42\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x1b.specdec.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_VERIFYSESSIONSTART']._serialized_start=65
-  _globals['_VERIFYSESSIONSTART']._serialized_end=200
-  _globals['_VERIFYSTEP']._serialized_start=202
-  _globals['_VERIFYSTEP']._serialized_end=322
-  _globals['_VERIFYREQUEST']._serialized_start=325
-  _globals['_VERIFYREQUEST']._serialized_end=558
-  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_start=499
-  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_end=550
-  _globals['_VERIFYRESULT']._serialized_start=561
-  _globals['_VERIFYRESULT']._serialized_end=762
-  _globals['_VERIFYRESPONSE']._serialized_start=764
-  _globals['_VERIFYRESPONSE']._serialized_end=879
-  _globals['_TARGETSERVICE']._serialized_start=882
-  _globals['_TARGETSERVICE']._serialized_end=1034
+  _globals['_VERIFYSESSIONSTART']._serialized_end=261
+  _globals['_VERIFYSTEP']._serialized_start=263
+  _globals['_VERIFYSTEP']._serialized_end=383
+  _globals['_VERIFYREQUEST']._serialized_start=386
+  _globals['_VERIFYREQUEST']._serialized_end=619
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_start=560
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_end=611
+  _globals['_VERIFYRESULT']._serialized_start=622
+  _globals['_VERIFYRESULT']._serialized_end=867
+  _globals['_VERIFYRESPONSE']._serialized_start=869
+  _globals['_VERIFYRESPONSE']._serialized_end=984
+  _globals['_TARGETSERVICE']._serialized_start=987
+  _globals['_TARGETSERVICE']._serialized_end=1139
 # @@protoc_insertion_point(module_scope)

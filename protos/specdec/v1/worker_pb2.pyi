@@ -30,16 +30,45 @@ WORKER_ROLE_DRAFT: WorkerRole
 WORKER_ROLE_TARGET: WorkerRole
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "generated_tokens")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    generated_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -76,16 +105,18 @@ class ForwardCost(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., milliseconds: _Optional[float] = ...) -> None: ...
 
 class SessionStarted(_message.Message):
-    __slots__ = ("session_id", "cached_tokens", "timing", "reused_tokens")
+    __slots__ = ("session_id", "cached_tokens", "timing", "reused_tokens", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cached_tokens: int
     timing: WorkerTiming
     reused_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., reused_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
