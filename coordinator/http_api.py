@@ -303,8 +303,7 @@ class LogprobsFormat:
         return self.tokenizer.decode([token_id])
 
     def chat_entry(self, token_id: int, logprob: float) -> dict:
-        text = self.token(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": self.token(token_id), "logprob": logprob, "bytes": list(self.tokenizer.token_bytes(token_id))}
 
     def chat_content(self, token_ids: list[int], entries: list[TokenLogprob]) -> dict:
         return {

@@ -213,6 +213,7 @@ def test_chat_logprobs_give_each_tokens_logprob_and_its_likeliest_alternatives(c
     response = client.chat.completions.create(model=TARGET, messages=messages, logprobs=True, top_logprobs=3, **GREEDY)
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens == 24
+    assert b"".join(bytes(entry.bytes) for entry in content).decode(errors="replace") == response.choices[0].message.content
     for entry in content:
         alternatives = [a.logprob for a in entry.top_logprobs]
         assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
