@@ -691,6 +691,8 @@ class RequestRun:
             delta.logprobs = self.logprobs[len(self.output.token_ids) - len(delta.token_ids) :]
         if not (delta.token_ids or delta.text):
             return None
+        if self.params.prompt_logprobs and self.first_token_at is None:
+            delta.prompt_logprobs = self.workers.prompt_logprobs
         self.first_token_at = self.first_token_at or time.perf_counter()
         return delta
 
