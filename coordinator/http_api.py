@@ -607,7 +607,8 @@ class CompletionHandler:
             # Under FastAPI's HTTP server span: the span of a request that arrived over HTTP, not the server's own.
             limit, context = http.http_request_timeout, request_context(request)
             choices = choice_params(params, choices_of(body))
-            if len(choices) > 1 and engine.target.prefix_cache_tokens:
+            # Choices that score the prompt compute all of it themselves: nothing to prefill for them.
+            if len(choices) > 1 and engine.target.prefix_cache_tokens and not params.prompt_logprobs:
                 await prefill_once(engine, params, context, limit)
             events = merged(
                 [before_deadline(engine.generate(choice, context, limit, kind=SpanKind.INTERNAL), limit) for choice in choices]
