@@ -1,6 +1,7 @@
 """Tokenizers behind one small interface: Hugging Face tokenizers and the byte-level one of tiny-random models."""
 
 import codecs
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -19,6 +20,9 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (its decoded text alone may be U+FFFD: a piece of a character)."""
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
 
@@ -55,6 +59,9 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t - 1 for t in token_ids if 0 < t < min(self.vocab_size, 257)).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id - 1]) if 0 < token_id < min(self.vocab_size, 257) else b""
+
     def decode_stream(self) -> "ByteStream":
         return ByteStream(self.vocab_size)
 
@@ -87,6 +94,15 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A byte-level BPE token's piece mapped back through its byte alphabet (GPT-2's, which SmolLM2's and
+        Qwen's use); any other token's text."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        alphabet = byte_alphabet()
+        if piece and all(char in alphabet for char in piece):
+            return bytes(alphabet[char] for char in piece)
+        return self.hf.decode([token_id]).encode("utf-8")
+
     def decode_stream(self) -> "TextStream":
         backend = getattr(self.hf, "backend_tokenizer", None)
         if backend is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
@@ -100,6 +116,14 @@ class HFTokenizer:
             return self.encode(text)
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.hf.encode(text, add_special_tokens=False))
+
+
+@functools.cache
+def byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters and the byte each stands for."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # slow to import: only once asked
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class HFStream:

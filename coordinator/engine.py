@@ -44,9 +44,9 @@ from coordinator.round import (
     truncated,
 )
 from coordinator.finish_reasons import FINISH_REASON_NAMES
-from specdec.v1 import generation_pb2
 from coordinator.types import GenerationParams, GenerationResult, RoundStats, TimeSplit
 from coordinator.workers import DraftSession, IncompatibleWorkers, TargetSession, WorkerInfo, Workers
+from specdec.v1 import generation_pb2
 
 PROVIDER = "specdec"
 log = logging.getLogger("specdec.coordinator")
@@ -561,7 +561,7 @@ class RequestRun:
             eos_token_ids=engine.target.eos_token_ids,
             ignore_eos=params.ignore_eos,
         )
-        if self.output.max_new_tokens == 0:  # the prompt's log-probabilities only: its prefill is all there is to run
+        if self.output.max_new_tokens == 0:  # nothing to generate: the prompt's prefill (and its logprobs) is the request
             self.output.finish_reason = generation_pb2.FINISH_REASON_LENGTH
         self.logprobs = []  # per committed output token, when the request asked for them
         # What each session reserves on its worker: every token the request may commit, and a round's drafted
@@ -691,6 +691,8 @@ class RequestRun:
             delta.logprobs = self.logprobs[len(self.output.token_ids) - len(delta.token_ids) :]
         if not (delta.token_ids or delta.text):
             return None
+        if self.params.prompt_logprobs and self.first_token_at is None:
+            delta.prompt_logprobs = self.workers.prompt_logprobs
         self.first_token_at = self.first_token_at or time.perf_counter()
         return delta
 

@@ -303,8 +303,7 @@ class LogprobsFormat:
         return self.tokenizer.decode([token_id])
 
     def chat_entry(self, token_id: int, logprob: float) -> dict:
-        text = self.token(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": self.token(token_id), "logprob": logprob, "bytes": list(self.tokenizer.token_bytes(token_id))}
 
     def chat_content(self, token_ids: list[int], entries: list[TokenLogprob]) -> dict:
         return {
@@ -391,7 +390,7 @@ class Completion:
     def whole(self, results: list[GenerationResult]) -> dict:
         choices = []
         for index, result in enumerate(results):
-            prompt = self.echoed(results[0].prompt_logprobs)
+            prompt = self.echoed(result.prompt_logprobs)
             logprobs = self.logprobs_of(result.token_ids, result.logprobs, prompt)
             text = (self.echo or "") + result.text
             choices.append(self.choice(index, text, FINISH_REASON_NAMES.get(result.finish_reason), False, logprobs=logprobs))
@@ -403,14 +402,24 @@ class Completion:
         }
 
     def chunk(
-        self, index: int, text: str, finish_reason: str | None = None, first: bool = False, delta: Delta | None = None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None = None,
+        first: bool = False,
+        delta: Delta | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> dict:
-        """A chunk of choice `index`: its text and, when asked for, the log-probabilities of delta's tokens."""
+        """A chunk of choice `index`: its text and, when asked for, the log-probabilities of delta's tokens; a first
+        chunk with echo begins with the prompt (and its log-probabilities: prompt_logprobs)."""
         logprobs = None
-        text = (self.echo if first and self.echo is not None else "") + text
-        if delta is not None and self.logprobs:
-            offset = self.offsets.get(index, 0) + len(text) - len(delta.text)
-            logprobs = self.logprobs_of(delta.token_ids, delta.logprobs, offset=offset)
+        echoed = first and self.echo is not None
+        text = (self.echo if echoed else "") + text
+        if self.logprobs and (delta is not None or echoed):
+            prompt = self.echoed(prompt_logprobs or []) if echoed else ([], [])
+            tokens, entries = (delta.token_ids, delta.logprobs) if delta is not None else ([], [])
+            offset = 0 if echoed else self.offsets.get(index, 0) + len(text) - len(delta.text)
+            logprobs = self.logprobs_of(tokens, entries, prompt, offset)
         self.offsets[index] = self.offsets.get(index, 0) + len(text)
         return {**self.envelope(chunk=True), "choices": [self.choice(index, text, finish_reason, True, first, logprobs)]}
 
@@ -598,7 +607,8 @@ class CompletionHandler:
             # Under FastAPI's HTTP server span: the span of a request that arrived over HTTP, not the server's own.
             limit, context = http.http_request_timeout, request_context(request)
             choices = choice_params(params, choices_of(body))
-            if len(choices) > 1 and engine.target.prefix_cache_tokens:
+            # Choices that score the prompt compute all of it themselves: nothing to prefill for them.
+            if len(choices) > 1 and engine.target.prefix_cache_tokens and not params.prompt_logprobs:
                 await prefill_once(engine, params, context, limit)
             events = merged(
                 [before_deadline(engine.generate(choice, context, limit, kind=SpanKind.INTERNAL), limit) for choice in choices]
@@ -639,16 +649,8 @@ def add_routes(app: FastAPI, engine: GenerationEngine, handler: CompletionHandle
 
 
 def choice_params(params: GenerationParams, n: int) -> list[GenerationParams]:
-    """The parameters of each of n choices: the request's, each with its own seed (choice_seed); only the first
-    scores the prompt (the others would only repeat its numbers)."""
-    return [
-        replace(
-            params,
-            sampling=replace(params.sampling, seed=choice_seed(params.sampling.seed, i)),
-            prompt_logprobs=params.prompt_logprobs and i == 0,
-        )
-        for i in range(n)
-    ]
+    """The parameters of each of n choices: the request's, each with its own seed (choice_seed)."""
+    return [replace(params, sampling=replace(params.sampling, seed=choice_seed(params.sampling.seed, i))) for i in range(n)]
 
 
 async def prefill_once(engine: GenerationEngine, params: GenerationParams, context, limit: float) -> None:
@@ -776,11 +778,14 @@ async def stream_events(first, events, completion: Completion, include_usage: bo
         while True:
             if isinstance(event, Delta):
                 if event.text or event.logprobs or index not in opened:
-                    yield sse(completion.chunk(index, event.text, first=index not in opened, delta=event))
+                    chunk = completion.chunk(
+                        index, event.text, first=index not in opened, delta=event, prompt_logprobs=event.prompt_logprobs
+                    )
+                    yield sse(chunk)
                     opened.add(index)
             else:
                 finish = FINISH_REASON_NAMES.get(event.finish_reason)
-                yield sse(completion.chunk(index, "", finish, first=index not in opened))
+                yield sse(completion.chunk(index, "", finish, first=index not in opened, prompt_logprobs=event.prompt_logprobs))
                 opened.add(index)
                 results[index] = event
             try:

@@ -16,6 +16,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list = field(default_factory=list)  # per token of token_ids, when the request asked for them
+    prompt_logprobs: list = field(default_factory=list)  # the first delta's, when the request asked for them
 
 
 def prefix_function(pattern: str) -> list[int]:

@@ -109,8 +109,10 @@ def test_greedy_output_matches_target_only_with_auto_gamma_heuristic_schedule_an
 PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.3}
 
 
-@pytest.mark.parametrize("draft_kind", [0.1, "suffix"], ids=lambda d: f"draft={d}")
+@pytest.mark.parametrize("draft_kind", [0.0, 0.1, "suffix"], ids=lambda d: f"draft={d}")
 def test_greedy_output_under_penalties_and_logit_bias_matches_target_only(target_model, draft_models, draft_kind):
+    """draft=0.0 is the target's own model: it adjusts its logits as the target does, so all it drafts is accepted."""
+
     async def run():
         async with running_services(TargetEngine(target_model), draft_engine_for(draft_models, draft_kind)) as services:
             for prompt in PROMPTS:
@@ -123,5 +125,7 @@ def test_greedy_output_under_penalties_and_logit_bias_matches_target_only(target
                     ids, stats = await generate_ids(services.stub, prompt, gamma, adjust=adjust, **options)
                     assert ids == reference, f"gamma={gamma} {options} diverged from target-only"
                     assert stats.drafted_tokens > 0 and not stats.fallback_reason, (gamma, stats)
+                    if draft_kind == 0.0:
+                        assert stats.acceptance_rate == 1.0, (gamma, options, stats)
 
     asyncio.run(run())

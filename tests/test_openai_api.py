@@ -213,6 +213,7 @@ def test_chat_logprobs_give_each_tokens_logprob_and_its_likeliest_alternatives(c
     response = client.chat.completions.create(model=TARGET, messages=messages, logprobs=True, top_logprobs=3, **GREEDY)
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens == 24
+    assert b"".join(bytes(entry.bytes) for entry in content).decode(errors="replace") == response.choices[0].message.content
     for entry in content:
         alternatives = [a.logprob for a in entry.top_logprobs]
         assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
@@ -240,6 +241,20 @@ def test_echo_with_logprobs_scores_the_prompt_as_an_eval_harness_asks(client):
     more = client.completions.create(model=TARGET, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
     assert more.choices[0].logprobs.token_logprobs[:7] == logprobs.token_logprobs
     assert len(more.choices[0].logprobs.tokens) == 8 and more.choices[0].text.startswith("Hello w")
+    # Streamed, the first chunk echoes the prompt with its numbers; the chunks add up to the whole response.
+    for whole in (scored, more):
+        tokens, token_logprobs, offsets, text = [], [], [], ""
+        options = {"max_tokens": len(whole.choices[0].logprobs.tokens) - 7, "echo": True, "logprobs": 1, "temperature": 0}
+        for chunk in client.completions.create(model=TARGET, prompt=prompt, stream=True, **options):
+            for choice in chunk.choices:
+                text += choice.text
+                if choice.logprobs:
+                    tokens += choice.logprobs.tokens
+                    token_logprobs += choice.logprobs.token_logprobs
+                    offsets += choice.logprobs.text_offset
+        expected = whole.choices[0]
+        assert text == expected.text and tokens == expected.logprobs.tokens
+        assert token_logprobs == expected.logprobs.token_logprobs and offsets == expected.logprobs.text_offset
 
 
 def test_a_missing_or_wrong_token_gets_401(cluster):
