@@ -17,7 +17,14 @@ DRAFT_SOURCE_OF = {number: source for source, number in DRAFT_SOURCES.items()}
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
-    return worker_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed)
+    return worker_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        grammar=params.grammar,
+        grammar_start=params.grammar_start,
+    )
 
 
 def sampling_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
@@ -26,6 +33,8 @@ def sampling_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
         top_k=msg.top_k,
         top_p=msg.top_p,
         seed=msg.seed if msg.HasField("seed") else None,
+        grammar=msg.grammar,
+        grammar_start=msg.grammar_start,
     )
 
 

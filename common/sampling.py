@@ -22,6 +22,8 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    grammar: str = ""  # llguidance's grammar text (common.grammar): the output is constrained to it; "": none
+    grammar_start: int = 0  # where in a session's prompt the constrained output starts (a reopening replays it)
 
     @property
     def greedy(self) -> bool:

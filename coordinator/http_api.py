@@ -4,8 +4,8 @@ GenerationService in the coordinator's event loop (FastAPI on uvicorn).
 A thin translation, as coordinator.server is for gRPC: an OpenAI request becomes a GenerateRequest and goes through
 the same checks (coordinator.requests.params_of), the same admission and the same engine; the result comes back in
 OpenAI's shapes, with `usage` and specdec's per-request `speculation` figures. specdec's own knobs are extra body
-fields (the openai SDK's `extra_body`): top_k, num_speculative_tokens, overlap, ignore_eos, and
-speculation_by_position for acceptance per draft position.
+fields (the openai SDK's `extra_body`): top_k, num_speculative_tokens, overlap, ignore_eos,
+speculation_by_position for acceptance per draft position, and grammar (Lark or GBNF) to constrain the output.
 """
 
 import asyncio
@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 import anyio
 import h11
 import uvicorn
+from llguidance.gbnf_to_lark import any_to_lark
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -83,6 +84,7 @@ class RequestFields(BaseModel):
     overlap: bool | None = None
     ignore_eos: bool | None = None
     speculation_by_position: bool | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
 
 
 class CompletionRequest(RequestFields):
@@ -122,7 +124,6 @@ def refuse_unsupported(body: RequestFields) -> None:
         "tool_choice": body.tool_choice in (None, "none"),
         "functions": not body.functions,
         "function_call": body.function_call in (None, "none"),
-        "response_format": body.response_format in (None, {"type": "text"}),
     }
     if isinstance(body, CompletionRequest):
         neutral.update(echo=not body.echo, best_of=body.best_of in (None, 1), suffix=not body.suffix)
@@ -155,6 +156,29 @@ def content_text(message: ChatMessage, index: int) -> str:
     return "".join(part.text or "" for part in message.content)
 
 
+def constraint_of(body: RequestFields) -> generation_pb2.OutputConstraint:
+    """response_format or the grammar extra as a GenerateRequest's constraint (at most one)."""
+    if body.grammar is not None and body.response_format not in (None, {"type": "text"}):
+        raise InvalidArgument("grammar", "cannot be combined with response_format: the output follows one constraint")
+    if body.grammar is not None:
+        try:
+            return generation_pb2.OutputConstraint(lark=any_to_lark(body.grammar))
+        except Exception as error:  # noqa: BLE001 - llguidance's GBNF converter raises what it meets
+            raise InvalidArgument("grammar", f"neither Lark nor GBNF: {error}") from None
+    kind = (body.response_format or {}).get("type", "text")
+    if kind == "text":
+        return generation_pb2.OutputConstraint()
+    if kind == "json_object":
+        return generation_pb2.OutputConstraint(json_schema='{"type": "object"}')
+    if kind != "json_schema":
+        raise InvalidArgument("response_format", f"unknown type {kind!r}; use text, json_object or json_schema")
+    spec = body.response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise InvalidArgument("response_format", 'json_schema must be {"name": ..., "schema": {...}, "strict": ...}')
+    schema = json.dumps(spec.get("schema", {}))
+    return generation_pb2.OutputConstraint(json_schema=schema, lenient=not spec.get("strict", False))
+
+
 def generate_request_of(
     body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None
 ) -> generation_pb2.GenerateRequest:
@@ -178,6 +202,7 @@ def generate_request_of(
                 setattr(request, name, value)
             except ValueError:
                 raise InvalidArgument(name, f"{value} is out of range") from None
+    request.constraint.CopyFrom(constraint_of(body))
     if isinstance(body, ChatCompletionRequest):
         request.messages.messages.extend(
             generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=content_text(m, i))
@@ -199,6 +224,8 @@ def param_of(field: str, body: RequestFields | None) -> str:
         return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
     if field.startswith("stop[") and isinstance(getattr(body, "stop", None), str):
         return "stop"
+    if field.startswith("constraint"):  # the caller's field the constraint came from
+        return "grammar" if getattr(body, "grammar", None) is not None else "response_format"
     return {"prompt_token_ids": "prompt", "input": "prompt"}.get(field, field)
 
 

@@ -2,11 +2,15 @@
 processes on loopback, tiny random models), and its error cases against an in-process coordinator."""
 
 import asyncio
+import json
 import threading
+from typing import Literal
 
 import grpc
+import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from common.model_specs import TINY_RANDOM_CONTEXT
 from coordinator.client import GenerationClient
@@ -157,6 +161,45 @@ def test_bad_input_gets_400_naming_the_field(client):
     assert error.value.body["param"] == "messages[0].role"
 
 
+class Answer(BaseModel):
+    # Compact JSON (llguidance's option): with bounded values the grammar ends, so a random model's answer ends.
+    model_config = ConfigDict(json_schema_extra={"x-guidance": {"whitespace_flexible": False}})
+    ok: bool
+    n: int = Field(ge=0, le=99)
+    tag: Literal["red", "green", "blue"]
+
+
+def test_parse_with_a_pydantic_model_gives_target_only_output_under_speculation(client):
+    def parse(**options):
+        messages = [{"role": "user", "content": "answer in JSON"}]
+        return client.chat.completions.parse(
+            model=TARGET, messages=messages, response_format=Answer, temperature=0, max_tokens=60, **options
+        )
+
+    speculated, alone = parse(), parse(extra_body={"num_speculative_tokens": 0})
+    (choice,) = speculated.choices
+    assert isinstance(choice.message.parsed, Answer) and choice.finish_reason == "stop"
+    assert choice.message.content == alone.choices[0].message.content
+    assert speculated.model_extra["speculation"]["drafted_tokens"] > 0 == alone.model_extra["speculation"]["drafted_tokens"]
+
+
+def test_bad_constraints_get_400_naming_the_callers_field(client):
+    user = [{"role": "user", "content": "hi"}]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}, "strict": True}}
+    cases = [
+        ({"response_format": bad_schema}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"extra_body": {"grammar": "start: x\nx: y"}}, "grammar"),  # y is never defined
+        ({"extra_body": {"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(9000))}}, "grammar"),  # too big
+        ({"response_format": {"type": "json_object"}, "extra_body": {"grammar": 'start: "a"'}}, "grammar"),
+    ]
+    for options, param in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=TARGET, messages=user, max_tokens=4, **options)
+        assert error.value.status_code == 400 and error.value.body["param"] == param, (options, error.value.body)
+        assert error.value.body["message"].startswith(param + ":"), error.value.body
+
+
 def test_a_missing_or_wrong_token_gets_401(cluster):
     import httpx2
 
@@ -188,7 +231,6 @@ def test_null_fields_take_their_defaults_and_other_sdks_fields_are_refused_or_ig
     assert response.json()["usage"]["completion_tokens"] <= 3
     refused = [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logprobs": True}, "logprobs"),
         ({"seed": 2**64}, "seed"),
         ({"max_tokens": 2**40}, "max_tokens"),

@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import worker_pb2 as specdec_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x17specdec/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x8d\x04\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12#\n\x16num_speculative_tokens\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x16\n\x0einclude_rounds\x18\x0c \x01(\x08\x12\x31\n\x0egamma_schedule\x18\r \x01(\x0e\x32\x19.specdec.v1.GammaSchedule\x12\x14\n\x07overlap\x18\x0e \x01(\x08H\x07\x88\x01\x01\x42\x07\n\x05inputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x19\n\x17_num_speculative_tokensB\n\n\x08_overlap\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xf0\x01\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1d\n\x15mean_tokens_per_round\x18\x05 \x01(\x02\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\x05\x12\x17\n\x0f\x66\x61llback_reason\x18\x07 \x01(\t\x12\x0f\n\x07overlap\x18\x08 \x01(\x08\x12\x19\n\x11overlapped_rounds\x18\t \x01(\x05\"\x92\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12)\n\ntime_split\x18\x06 \x01(\x0b\x32\x15.specdec.v1.TimeSplit\x12,\n\x06rounds\x18\x07 \x03(\x0b\x32\x1c.specdec.v1.SpeculationRound\"\xf0\x01\n\tTimeSplit\x12\x12\n\nprefill_us\x18\x01 \x01(\x03\x12\x10\n\x08\x64raft_us\x18\x02 \x01(\x03\x12\x11\n\tverify_us\x18\x03 \x01(\x03\x12\x0f\n\x07sync_us\x18\x04 \x01(\x03\x12\x12\n\nnetwork_us\x18\x05 \x01(\x03\x12\x16\n\x0e\x63oordinator_us\x18\x06 \x01(\x03\x12\x10\n\x08total_us\x18\x07 \x01(\x03\x12\x1b\n\x13\x64raft_overlapped_us\x18\x08 \x01(\x03\x12\x10\n\x08queue_us\x18\t \x01(\x03\x12\x13\n\x0bhandling_us\x18\n \x01(\x03\x12\x17\n\x0fverify_ahead_us\x18\x0b \x01(\x03\"\x9e\x02\n\x10SpeculationRound\x12\r\n\x05gamma\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x10\n\x08rollback\x18\x04 \x01(\x05\x12\x11\n\tcommitted\x18\x05 \x01(\x05\x12)\n\ntime_split\x18\x06 \x01(\x0b\x32\x15.specdec.v1.TimeSplit\x12\x12\n\nbytes_sent\x18\x07 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x08 \x01(\x03\x12\x12\n\noverlapped\x18\t \x01(\x08\x12\x19\n\x11target_batch_size\x18\n \x01(\x05\x12-\n\x0c\x64raft_source\x18\x0b \x01(\x0e\x32\x17.specdec.v1.DraftSource\"0\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"|\n\x16GenerateStreamResponse\x12*\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x19.specdec.v1.GenerateDeltaH\x00\x12-\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1c.specdec.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"\x12\n\x10GetStatusRequest\"\xca\x01\n\nPoolMember\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12(\n\x06health\x18\x02 \x01(\x0e\x32\x18.specdec.v1.MemberHealth\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x10\n\x08sessions\x18\x04 \x01(\x05\x12\x1c\n\x14\x63oordinator_sessions\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x17\n\x0fsessions_placed\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\"o\n\nWorkerPool\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.specdec.v1.WorkerRole\x12\x12\n\nconfigured\x18\x02 \x03(\t\x12\'\n\x07members\x18\x03 \x03(\x0b\x32\x16.specdec.v1.PoolMember\"~\n\x11GetStatusResponse\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.specdec.v1.WorkerPool\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\x05\x12\x14\n\x0ctarget_model\x18\x03 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x04 \x01(\t*l\n\rGammaSchedule\x12\x1e\n\x1aGAMMA_SCHEDULE_UNSPECIFIED\x10\x00\x12\x1d\n\x19GAMMA_SCHEDULE_COST_MODEL\x10\x01\x12\x1c\n\x18GAMMA_SCHEDULE_HEURISTIC\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03*\xa1\x01\n\x0cMemberHealth\x12\x1d\n\x19MEMBER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n\x15MEMBER_HEALTH_SERVING\x10\x01\x12\x1d\n\x19MEMBER_HEALTH_NOT_SERVING\x10\x02\x12\x1d\n\x19MEMBER_HEALTH_UNREACHABLE\x10\x03\x12\x19\n\x15MEMBER_HEALTH_REFUSED\x10\x04\x32\xf9\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12H\n\tGetStatus\x12\x1c.specdec.v1.GetStatusRequest\x1a\x1d.specdec.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecdec/v1/generation.proto\x12\nspecdec.v1\x1a\x17specdec/v1/worker.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xbf\x04\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.specdec.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12#\n\x16num_speculative_tokens\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x16\n\x0einclude_rounds\x18\x0c \x01(\x08\x12\x31\n\x0egamma_schedule\x18\r \x01(\x0e\x32\x19.specdec.v1.GammaSchedule\x12\x14\n\x07overlap\x18\x0e \x01(\x08H\x07\x88\x01\x01\x12\x30\n\nconstraint\x18\x1e \x01(\x0b\x32\x1c.specdec.v1.OutputConstraintB\x07\n\x05inputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x19\n\x17_num_speculative_tokensB\n\n\x08_overlap\"c\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0f\n\x07lenient\x18\x04 \x01(\x08\x42\x06\n\x04kind\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xf0\x01\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1d\n\x15mean_tokens_per_round\x18\x05 \x01(\x02\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\x05\x12\x17\n\x0f\x66\x61llback_reason\x18\x07 \x01(\t\x12\x0f\n\x07overlap\x18\x08 \x01(\x08\x12\x19\n\x11overlapped_rounds\x18\t \x01(\x05\"\x92\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12)\n\ntime_split\x18\x06 \x01(\x0b\x32\x15.specdec.v1.TimeSplit\x12,\n\x06rounds\x18\x07 \x03(\x0b\x32\x1c.specdec.v1.SpeculationRound\"\xf0\x01\n\tTimeSplit\x12\x12\n\nprefill_us\x18\x01 \x01(\x03\x12\x10\n\x08\x64raft_us\x18\x02 \x01(\x03\x12\x11\n\tverify_us\x18\x03 \x01(\x03\x12\x0f\n\x07sync_us\x18\x04 \x01(\x03\x12\x12\n\nnetwork_us\x18\x05 \x01(\x03\x12\x16\n\x0e\x63oordinator_us\x18\x06 \x01(\x03\x12\x10\n\x08total_us\x18\x07 \x01(\x03\x12\x1b\n\x13\x64raft_overlapped_us\x18\x08 \x01(\x03\x12\x10\n\x08queue_us\x18\t \x01(\x03\x12\x13\n\x0bhandling_us\x18\n \x01(\x03\x12\x17\n\x0fverify_ahead_us\x18\x0b \x01(\x03\"\x9e\x02\n\x10SpeculationRound\x12\r\n\x05gamma\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x10\n\x08rollback\x18\x04 \x01(\x05\x12\x11\n\tcommitted\x18\x05 \x01(\x05\x12)\n\ntime_split\x18\x06 \x01(\x0b\x32\x15.specdec.v1.TimeSplit\x12\x12\n\nbytes_sent\x18\x07 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x08 \x01(\x03\x12\x12\n\noverlapped\x18\t \x01(\x08\x12\x19\n\x11target_batch_size\x18\n \x01(\x05\x12-\n\x0c\x64raft_source\x18\x0b \x01(\x0e\x32\x17.specdec.v1.DraftSource\"0\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"|\n\x16GenerateStreamResponse\x12*\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x19.specdec.v1.GenerateDeltaH\x00\x12-\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1c.specdec.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"\x12\n\x10GetStatusRequest\"\xca\x01\n\nPoolMember\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12(\n\x06health\x18\x02 \x01(\x0e\x32\x18.specdec.v1.MemberHealth\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x10\n\x08sessions\x18\x04 \x01(\x05\x12\x1c\n\x14\x63oordinator_sessions\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x17\n\x0fsessions_placed\x18\x07 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\"o\n\nWorkerPool\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.specdec.v1.WorkerRole\x12\x12\n\nconfigured\x18\x02 \x03(\t\x12\'\n\x07members\x18\x03 \x03(\x0b\x32\x16.specdec.v1.PoolMember\"~\n\x11GetStatusResponse\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.specdec.v1.WorkerPool\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\x05\x12\x14\n\x0ctarget_model\x18\x03 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x04 \x01(\t*l\n\rGammaSchedule\x12\x1e\n\x1aGAMMA_SCHEDULE_UNSPECIFIED\x10\x00\x12\x1d\n\x19GAMMA_SCHEDULE_COST_MODEL\x10\x01\x12\x1c\n\x18GAMMA_SCHEDULE_HEURISTIC\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03*\xa1\x01\n\x0cMemberHealth\x12\x1d\n\x19MEMBER_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n\x15MEMBER_HEALTH_SERVING\x10\x01\x12\x1d\n\x19MEMBER_HEALTH_NOT_SERVING\x10\x02\x12\x1d\n\x19MEMBER_HEALTH_UNREACHABLE\x10\x03\x12\x19\n\x15MEMBER_HEALTH_REFUSED\x10\x04\x32\xf9\x01\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12H\n\tGetStatus\x12\x1c.specdec.v1.GetStatusRequest\x1a\x1d.specdec.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GAMMASCHEDULE']._serialized_start=2515
-  _globals['_GAMMASCHEDULE']._serialized_end=2623
-  _globals['_FINISHREASON']._serialized_start=2625
-  _globals['_FINISHREASON']._serialized_end=2743
-  _globals['_MEMBERHEALTH']._serialized_start=2746
-  _globals['_MEMBERHEALTH']._serialized_end=2907
+  _globals['_GAMMASCHEDULE']._serialized_start=2666
+  _globals['_GAMMASCHEDULE']._serialized_end=2774
+  _globals['_FINISHREASON']._serialized_start=2776
+  _globals['_FINISHREASON']._serialized_end=2894
+  _globals['_MEMBERHEALTH']._serialized_start=2897
+  _globals['_MEMBERHEALTH']._serialized_end=3058
   _globals['_CHATMESSAGE']._serialized_start=68
   _globals['_CHATMESSAGE']._serialized_end=112
   _globals['_CHATMESSAGES']._serialized_start=114
@@ -45,29 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=173
   _globals['_TOKENIDS']._serialized_end=202
   _globals['_GENERATEREQUEST']._serialized_start=205
-  _globals['_GENERATEREQUEST']._serialized_end=730
-  _globals['_USAGE']._serialized_start=732
-  _globals['_USAGE']._serialized_end=819
-  _globals['_SPECULATIONSTATS']._serialized_start=822
-  _globals['_SPECULATIONSTATS']._serialized_end=1062
-  _globals['_GENERATERESPONSE']._serialized_start=1065
-  _globals['_GENERATERESPONSE']._serialized_end=1339
-  _globals['_TIMESPLIT']._serialized_start=1342
-  _globals['_TIMESPLIT']._serialized_end=1582
-  _globals['_SPECULATIONROUND']._serialized_start=1585
-  _globals['_SPECULATIONROUND']._serialized_end=1871
-  _globals['_GENERATEDELTA']._serialized_start=1873
-  _globals['_GENERATEDELTA']._serialized_end=1921
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1923
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2047
-  _globals['_GETSTATUSREQUEST']._serialized_start=2049
-  _globals['_GETSTATUSREQUEST']._serialized_end=2067
-  _globals['_POOLMEMBER']._serialized_start=2070
-  _globals['_POOLMEMBER']._serialized_end=2272
-  _globals['_WORKERPOOL']._serialized_start=2274
-  _globals['_WORKERPOOL']._serialized_end=2385
-  _globals['_GETSTATUSRESPONSE']._serialized_start=2387
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2513
-  _globals['_GENERATIONSERVICE']._serialized_start=2910
-  _globals['_GENERATIONSERVICE']._serialized_end=3159
+  _globals['_GENERATEREQUEST']._serialized_end=780
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=782
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=881
+  _globals['_USAGE']._serialized_start=883
+  _globals['_USAGE']._serialized_end=970
+  _globals['_SPECULATIONSTATS']._serialized_start=973
+  _globals['_SPECULATIONSTATS']._serialized_end=1213
+  _globals['_GENERATERESPONSE']._serialized_start=1216
+  _globals['_GENERATERESPONSE']._serialized_end=1490
+  _globals['_TIMESPLIT']._serialized_start=1493
+  _globals['_TIMESPLIT']._serialized_end=1733
+  _globals['_SPECULATIONROUND']._serialized_start=1736
+  _globals['_SPECULATIONROUND']._serialized_end=2022
+  _globals['_GENERATEDELTA']._serialized_start=2024
+  _globals['_GENERATEDELTA']._serialized_end=2072
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2074
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2198
+  _globals['_GETSTATUSREQUEST']._serialized_start=2200
+  _globals['_GETSTATUSREQUEST']._serialized_end=2218
+  _globals['_POOLMEMBER']._serialized_start=2221
+  _globals['_POOLMEMBER']._serialized_end=2423
+  _globals['_WORKERPOOL']._serialized_start=2425
+  _globals['_WORKERPOOL']._serialized_end=2536
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2538
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2664
+  _globals['_GENERATIONSERVICE']._serialized_start=3061
+  _globals['_GENERATIONSERVICE']._serialized_end=3310
 # @@protoc_insertion_point(module_scope)
