@@ -39,8 +39,9 @@ from coordinator.admission import Admission
 from coordinator.config import HttpSettings
 from coordinator.engine import GenerationEngine
 from coordinator.output import Delta
-from coordinator.requests import params_of
+from coordinator.requests import MAX_MESSAGES, params_of
 from coordinator.finish_reasons import FINISH_REASON_NAMES
+from coordinator.tool_calls import calls_grammar, check_tools, parse_calls, render_chat
 from coordinator.types import GenerationResult
 
 from specdec.v1 import generation_pb2
@@ -78,6 +79,7 @@ class RequestFields(BaseModel):
     functions: list | None = None
     function_call: str | dict | None = None
     response_format: dict | None = None
+    parallel_tool_calls: bool | None = None
     # specdec's own
     top_k: int | None = None
     num_speculative_tokens: int | None = None
@@ -104,6 +106,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(RequestFields):
@@ -120,13 +124,12 @@ def refuse_unsupported(body: RequestFields) -> None:
         "presence_penalty": not body.presence_penalty,
         "logit_bias": not body.logit_bias,
         "logprobs": body.logprobs in (None, False),
-        "tools": not body.tools,
-        "tool_choice": body.tool_choice in (None, "none"),
         "functions": not body.functions,
         "function_call": body.function_call in (None, "none"),
     }
     if isinstance(body, CompletionRequest):
         neutral.update(echo=not body.echo, best_of=body.best_of in (None, 1), suffix=not body.suffix)
+        neutral.update(tools=not body.tools, tool_choice=body.tool_choice in (None, "none"))
     else:
         neutral.update(top_logprobs=not body.top_logprobs)
     for field, ok in neutral.items():
@@ -156,15 +159,40 @@ def content_text(message: ChatMessage, index: int) -> str:
     return "".join(part.text or "" for part in message.content)
 
 
-def constraint_of(body: RequestFields) -> generation_pb2.OutputConstraint:
-    """response_format or the grammar extra as a GenerateRequest's constraint (at most one)."""
-    if body.grammar is not None and body.response_format not in (None, {"type": "text"}):
-        raise InvalidArgument("grammar", "cannot be combined with response_format: the output follows one constraint")
+class Tools:
+    """A chat's tools as this request uses them: its functions, the name tool_choice forces ("" for required, None
+    for auto), and whether calls are parsed out of the output (not with tool_choice "none", nor without tools)."""
+
+    def __init__(self, body: RequestFields):
+        tools = body.tools if isinstance(body, ChatCompletionRequest) and body.tool_choice != "none" else []
+        self.functions, self.forced = check_tools(tools or [], body.tool_choice if tools else None)
+        self.parallel = body.parallel_tool_calls is not False
+        self.parsed = bool(self.functions)
+        self.history = isinstance(body, ChatCompletionRequest) and any(
+            m.role == "tool" or m.tool_calls for m in body.messages
+        )
+
+    def grammar(self) -> str:
+        return calls_grammar(self.functions, self.forced, self.parallel) if self.forced is not None else ""
+
+
+def constraint_of(body: RequestFields, tools: Tools) -> generation_pb2.OutputConstraint:
+    """response_format, the grammar extra, or a forced tool call, as a GenerateRequest's constraint (at most one)."""
+    constraints = {
+        "response_format": body.response_format not in (None, {"type": "text"}),
+        "grammar": body.grammar is not None,
+        "tool_choice": tools.forced is not None,
+    }
+    given = [name for name, on in constraints.items() if on]
+    if len(given) > 1:
+        raise InvalidArgument(given[1], f"cannot be combined with {given[0]}: the output follows one constraint")
     if body.grammar is not None:
         try:
             return generation_pb2.OutputConstraint(lark=any_to_lark(body.grammar))
         except Exception as error:  # noqa: BLE001 - llguidance's GBNF converter raises what it meets
             raise InvalidArgument("grammar", f"neither Lark nor GBNF: {error}") from None
+    if tools.forced is not None:
+        return generation_pb2.OutputConstraint(lark=tools.grammar())
     kind = (body.response_format or {}).get("type", "text")
     if kind == "text":
         return generation_pb2.OutputConstraint()
@@ -180,10 +208,11 @@ def constraint_of(body: RequestFields) -> generation_pb2.OutputConstraint:
 
 
 def generate_request_of(
-    body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None
+    body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None, tools: Tools | None = None
 ) -> generation_pb2.GenerateRequest:
-    """The GenerateRequest an OpenAI request stands for."""
+    """The GenerateRequest an OpenAI request stands for (a chat with tools is rendered by render_tool_chat)."""
     refuse_unsupported(body)
+    tools = tools or Tools(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     request = generation_pb2.GenerateRequest(stop=stop, ignore_eos=bool(body.ignore_eos))
     optional = {
@@ -202,15 +231,26 @@ def generate_request_of(
                 setattr(request, name, value)
             except ValueError:
                 raise InvalidArgument(name, f"{value} is out of range") from None
-    request.constraint.CopyFrom(constraint_of(body))
-    if isinstance(body, ChatCompletionRequest):
+    request.constraint.CopyFrom(constraint_of(body, tools))
+    if isinstance(body, CompletionRequest):
+        prompt_into(request, body.prompt)
+    elif not (tools.functions or tools.history):  # else rendered with its tools by render_tool_chat
         request.messages.messages.extend(
             generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=content_text(m, i))
             for i, m in enumerate(body.messages)
         )
-    else:
-        prompt_into(request, body.prompt)
     return request
+
+
+def render_tool_chat(body: ChatCompletionRequest, tools: Tools, tokenizer) -> list[int]:
+    """A chat with tools (or with tool calls and results in its history) rendered through the model's template."""
+    if len(body.messages) > MAX_MESSAGES:
+        raise InvalidArgument("messages", f"at most {MAX_MESSAGES} messages, got {len(body.messages)}")
+    messages = [
+        {"role": ROLE_ALIASES.get(m.role, m.role), "content": content_text(m, i), "tool_calls": m.tool_calls}
+        for i, m in enumerate(body.messages)
+    ]
+    return render_chat(tokenizer, messages, tools.functions)
 
 
 def max_tokens_of(body: RequestFields, default: int | None) -> int | None:
@@ -225,7 +265,7 @@ def param_of(field: str, body: RequestFields | None) -> str:
     if field.startswith("stop[") and isinstance(getattr(body, "stop", None), str):
         return "stop"
     if field.startswith("constraint"):  # the caller's field the constraint came from
-        return "grammar" if getattr(body, "grammar", None) is not None else "response_format"
+        return "grammar" if getattr(body, "grammar", None) is not None else "response_format" if body.response_format else "tools"
     return {"prompt_token_ids": "prompt", "input": "prompt"}.get(field, field)
 
 
@@ -259,8 +299,9 @@ def usage_of(result: GenerationResult) -> dict:
 class Completion:
     """The envelope of one response: its id, creation time, model and kind (chat or text completion)."""
 
-    def __init__(self, chat: bool, model: str, by_position: bool):
+    def __init__(self, chat: bool, model: str, by_position: bool, tools: Tools | None = None):
         self.chat, self.model, self.by_position = chat, model, by_position
+        self.tools = tools if tools is not None and tools.parsed else None  # calls are parsed out of the output
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -276,17 +317,39 @@ class Completion:
             return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": None}
 
+    def calls_of(self, text: str) -> tuple[str | None, list[dict]]:
+        if self.tools is None:
+            return text, []
+        return parse_calls(text, {f["name"] for f in self.tools.functions}, self.tools.parallel)
+
     def whole(self, result: GenerationResult) -> dict:
         finish = FINISH_REASON_NAMES.get(result.finish_reason)
+        choice = self.choice(result.text, finish, chunk=False)
+        content, calls = self.calls_of(result.text)
+        if calls:
+            choice.update(message={"role": "assistant", "content": content, "tool_calls": calls}, finish_reason="tool_calls")
         return {
             **self.envelope(chunk=False),
-            "choices": [self.choice(result.text, finish, chunk=False)],
+            "choices": [choice],
             "usage": usage_of(result),
             "speculation": speculation_of(result, self.by_position),
         }
 
     def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
         return {**self.envelope(chunk=True), "choices": [self.choice(text, finish_reason, chunk=True, first=first)]}
+
+    def last_chunks(self, held: str, finish_reason: str | None, first: bool) -> list[dict]:
+        """The end of a stream whose text was held back to parse tool calls out of it: its content, then its calls
+        as delta.tool_calls with finish_reason tool_calls."""
+        content, calls = self.calls_of(held)
+        if not calls:
+            if not held:
+                return [self.chunk("", finish_reason, first)]
+            return [self.chunk(held, first=first), self.chunk("", finish_reason)]
+        chunks = [self.chunk(content, first=first)] if content else []
+        last = self.chunk("", "tool_calls", first=first and not content)
+        last["choices"][0]["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        return [*chunks, last]
 
     def usage_chunk(self, result: GenerationResult) -> dict:
         return {
@@ -461,11 +524,15 @@ class CompletionHandler:
             return self.model_not_found(body.model)
         slot, events, handed_off, admitted = contextlib.ExitStack(), None, False, False
         try:
-            generate_request = generate_request_of(body, default_max_tokens)
+            tools = Tools(body)
+            generate_request = generate_request_of(body, default_max_tokens, tools)
+            if chat and not generate_request.WhichOneof("input"):
+                ids = await asyncio.to_thread(render_tool_chat, body, tools, engine.tokenizer)
+                generate_request.prompt_token_ids.token_ids.extend(ids)
             slot.enter_context(self.admission.slot())
             admitted = True
             params = await params_of(generate_request, engine.tokenizer, engine.config)
-            completion = Completion(chat, engine.target.model_name, bool(body.speculation_by_position))
+            completion = Completion(chat, engine.target.model_name, bool(body.speculation_by_position), tools)
             # Under FastAPI's HTTP server span: the span of a request that arrived over HTTP, not the server's own.
             limit = http.http_request_timeout
             events = before_deadline(engine.generate(params, request_context(request), limit, kind=SpanKind.INTERNAL), limit)
@@ -557,14 +624,22 @@ async def last_event(events):
 async def stream_events(first, events, completion: Completion, include_usage: bool) -> AsyncIterator[str]:
     """The SSE body: a chunk per committed delta, the finish reason, then usage if asked, then [DONE]. An error
     after the stream began is sent as an error event (the status line is gone by then)."""
-    opened = False
+    opened, held = False, ""
     event = first
     try:
         while True:
-            if isinstance(event, Delta):
+            if isinstance(event, Delta) and completion.tools is not None:
+                held += event.text  # parsed for tool calls at the end
+            elif isinstance(event, Delta):
                 if event.text or not opened:
                     yield sse(completion.chunk(event.text, first=not opened))
                     opened = True
+            elif completion.tools is not None:
+                for chunk in completion.last_chunks(held, FINISH_REASON_NAMES.get(event.finish_reason), not opened):
+                    yield sse(chunk)
+                if include_usage:
+                    yield sse(completion.usage_chunk(event))
+                break
             else:
                 finish = FINISH_REASON_NAMES.get(event.finish_reason)
                 yield sse(completion.chunk("", finish, first=not opened))

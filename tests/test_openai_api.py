@@ -183,7 +183,47 @@ def test_parse_with_a_pydantic_model_gives_target_only_output_under_speculation(
     assert speculated.model_extra["speculation"]["drafted_tokens"] > 0 == alone.model_extra["speculation"]["drafted_tokens"]
 
 
-def test_bad_constraints_get_400_naming_the_callers_field(client):
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_tool_call_parses_against_its_schema_streamed_or_not_and_speculation_keeps_it(client):
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    body = {"model": TARGET, "messages": messages, "tools": [WEATHER], "tool_choice": NAMED, "parallel_tool_calls": False}
+    body.update(temperature=0, max_tokens=120)
+    speculated = client.chat.completions.create(**body)
+    alone = client.chat.completions.create(**body, extra_body={"num_speculative_tokens": 0})
+    (choice,) = speculated.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert alone.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    assert speculated.model_extra["speculation"]["drafted_tokens"] > 0
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The call and its result go back in the history; the next turn is served.
+    result = {"role": "tool", "tool_call_id": call.id, "content": "sunny"}
+    history = [*messages, choice.message.model_dump(exclude_none=True), result]
+    follow_up = client.chat.completions.create(model=TARGET, messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
+    assert follow_up.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_bad_constraints_and_tool_choices_get_400_naming_the_callers_field(client):
     user = [{"role": "user", "content": "hi"}]
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}, "strict": True}}
     cases = [
@@ -192,12 +232,19 @@ def test_bad_constraints_get_400_naming_the_callers_field(client):
         ({"extra_body": {"grammar": "start: x\nx: y"}}, "grammar"),  # y is never defined
         ({"extra_body": {"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(9000))}}, "grammar"),  # too big
         ({"response_format": {"type": "json_object"}, "extra_body": {"grammar": 'start: "a"'}}, "grammar"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}], "tool_choice": "required"},
+         "tools"),
     ]
     for options, param in cases:
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model=TARGET, messages=user, max_tokens=4, **options)
         assert error.value.status_code == 400 and error.value.body["param"] == param, (options, error.value.body)
         assert error.value.body["message"].startswith(param + ":"), error.value.body
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=TARGET, prompt="hi", max_tokens=4, extra_body={"tools": [WEATHER]})
+    assert error.value.body["param"] == "tools"
 
 
 def test_a_missing_or_wrong_token_gets_401(cluster):
@@ -230,7 +277,6 @@ def test_null_fields_take_their_defaults_and_other_sdks_fields_are_refused_or_ig
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] <= 3
     refused = [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"logprobs": True}, "logprobs"),
         ({"seed": 2**64}, "seed"),
         ({"max_tokens": 2**40}, "max_tokens"),
