@@ -165,24 +165,33 @@ class GrammarMatcher:
             allowed[self.vocabulary.eos_token_ids] = True
         return allowed
 
-    def masks_along(self, draft_tokens: list[int]) -> tuple[torch.Tensor, int]:
-        """(allowed [k + 1, V], k): the masks at the committed state and after each of the first k drafted
-        tokens, k being how many the grammar allows in a row; the matcher is left where it was."""
+    def masks_along(self, draft_tokens: list[int]) -> tuple[torch.Tensor, int, int]:
+        """(allowed [k + 1, V], k, tested) for a proposal: the masks at the committed state and after each of the
+        first k drafted tokens, k being how many the grammar allows in a row (the target feeds those), and how
+        many drafted tokens the acceptance test takes: the k, and the forbidden one after them (its p masked to
+        0, so it is rejected), none after an allowed EOS. The matcher is left where it was."""
+        eos = self.vocabulary.eos_token_ids
         valid = self.matcher.validate_tokens(list(draft_tokens))
+        ends = next((i for i, t in enumerate(draft_tokens[:valid]) if t in eos), None)
+        if ends is not None:  # the output ends at an EOS: nothing after it is fed or tested
+            valid = ends + 1
         rows = [self.allowed()]
         for token in draft_tokens[:valid]:
             self.matcher.consume_token(token)
             rows.append(self.allowed())
         if valid:
             self.matcher.rollback(valid)
-        eos = self.vocabulary.eos_token_ids
-        if valid < len(draft_tokens) and draft_tokens[valid] in eos and rows[-1][draft_tokens[valid]]:
-            # EOS where the grammar may end (validate_tokens counts no EOS): allowed, and nothing after it is.
+        if ends is not None or valid == len(draft_tokens):
+            return torch.stack(rows), valid, valid
+        if draft_tokens[valid] in eos and rows[-1][draft_tokens[valid]]:
+            # EOS where the grammar may end, which validate_tokens may not count: allowed, and the output ends.
             after = torch.zeros_like(rows[-1])
             after[eos] = True
-            rows.append(after)
-            valid += 1
-        return torch.stack(rows), valid
+            return torch.stack([*rows, after]), valid + 1, valid + 1
+        rows[-1][draft_tokens[valid]] = False  # what the matcher refuses has p = 0, whatever the mask said
+        if not rows[-1].any():
+            rows[-1][eos] = True
+        return torch.stack(rows), valid, valid + 1
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

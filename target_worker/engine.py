@@ -86,6 +86,7 @@ class VerifyCall:
     # the grammar forbids, which is tested without a row of its own: its p is 0, so it is rejected).
     allowed: torch.Tensor | None = None
     fed: int | None = None
+    num_tested: int | None = None
 
     @property
     def feeds(self) -> list[int]:
@@ -93,7 +94,7 @@ class VerifyCall:
 
     @property
     def tested(self) -> list[int]:
-        return self.draft_tokens if self.fed is None else self.draft_tokens[: self.fed + 1]
+        return self.draft_tokens if self.num_tested is None else self.draft_tokens[: self.num_tested]
 
 
 @dataclass
@@ -301,7 +302,7 @@ class TargetEngine:
                 if isinstance(call, VerifyCall):
                     self.check_step(call.session, call.draft_tokens, call.draft_dists)
                     if call.session.grammar is not None:
-                        call.allowed, call.fed = call.session.grammar.masks_along(call.draft_tokens)
+                        call.allowed, call.fed, call.num_tested = call.session.grammar.masks_along(call.draft_tokens)
                 elif isinstance(call, AheadCall):
                     self.check_decode_ahead(call.session)
                     if call.session.ahead is not None or len(call.session.sequence.pending()) != 1:

@@ -124,6 +124,12 @@ def test_a_forbidden_proposed_token_ends_the_proposal_before_the_target_scores_i
     assert fed == [[prompt[-1], digit]]  # the pending token and the allowed digit: no row for byte 0 or after it
     assert verdict.num_accepted <= 1 and verdict.rollback == 3 - verdict.num_accepted
     assert verdict.draft_token_probs[1:] == [0.0, 0.0]
+    # EOS where the grammar may end is allowed, and nothing after it is tested (a second EOS included).
+    session, _ = engine.open_session(prompt, SamplingParams(temperature=0, grammar=grammar, grammar_start=len(prompt)))
+    fed.clear()
+    eos = target.tokenizer.eos_token_ids[0]
+    verdict = engine.verify(session, [digit, eos, eos], [point_mass(t) for t in (digit, eos, eos)])
+    assert fed == [[prompt[-1], digit, eos]] and verdict.num_accepted <= 2
 
 
 def test_a_grammar_the_worker_cannot_compile_is_refused_by_name(pair):
