@@ -70,6 +70,10 @@ class Vocabulary:
             size = vocab_size or tokenizer.vocab_size
             self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokens(size)), n_vocab=size)
         self.vocab_size = self.ll.vocab_size
+        # Special tokens other than EOS: llguidance's mask may allow one where the grammar spells its text, yet its
+        # matcher consumes it only where the grammar names the token (<[id]>); allowed() keeps the two in step.
+        special = [i for i in range(self.vocab_size) if self.ll.is_special_token(i) and i not in self.eos_token_ids]
+        self.special = torch.tensor(special, dtype=torch.long)
         self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.lock = threading.Lock()
 
@@ -161,6 +165,10 @@ class GrammarMatcher:
         """bool [V]: the tokens the grammar allows next (EOS alone once it is complete or failed)."""
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         allowed = torch.from_numpy(bits[: self.vocabulary.vocab_size].view(bool))
+        special = self.vocabulary.special
+        for token in special[allowed[special]].tolist():
+            if not self.matcher.validate_tokens([token]):
+                allowed[token] = False
         if not allowed.any():  # a failed step (its fuel ran out): the output ends here
             allowed[self.vocabulary.eos_token_ids] = True
         return allowed

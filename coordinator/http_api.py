@@ -163,7 +163,8 @@ class Tools:
     """A chat's tools as this request uses them: its functions, the name tool_choice forces ("" for required, None
     for auto), and whether calls are parsed out of the output (not with tool_choice "none", nor without tools)."""
 
-    def __init__(self, body: RequestFields):
+    def __init__(self, body: RequestFields, tokenizer=None):
+        self.tokenizer = tokenizer  # for the call tags the grammar spells (coordinator.tool_calls.tag)
         tools = body.tools if isinstance(body, ChatCompletionRequest) and body.tool_choice != "none" else []
         self.functions, self.forced = check_tools(tools or [], body.tool_choice if tools else None)
         self.parallel = body.parallel_tool_calls is not False
@@ -173,7 +174,7 @@ class Tools:
         )
 
     def grammar(self) -> str:
-        return calls_grammar(self.functions, self.forced, self.parallel) if self.forced is not None else ""
+        return calls_grammar(self.functions, self.forced, self.parallel, self.tokenizer) if self.forced is not None else ""
 
 
 def constraint_of(body: RequestFields, tools: Tools) -> generation_pb2.OutputConstraint:
@@ -326,8 +327,9 @@ class Completion:
         finish = FINISH_REASON_NAMES.get(result.finish_reason)
         choice = self.choice(result.text, finish, chunk=False)
         content, calls = self.calls_of(result.text)
-        if calls:
-            choice.update(message={"role": "assistant", "content": content, "tool_calls": calls}, finish_reason="tool_calls")
+        if calls:  # an output cut at max_tokens says so, whatever calls it completed before
+            choice.update(message={"role": "assistant", "content": content, "tool_calls": calls})
+            choice["finish_reason"] = "length" if finish == "length" else "tool_calls"
         return {
             **self.envelope(chunk=False),
             "choices": [choice],
@@ -347,7 +349,7 @@ class Completion:
                 return [self.chunk("", finish_reason, first)]
             return [self.chunk(held, first=first), self.chunk("", finish_reason)]
         chunks = [self.chunk(content, first=first)] if content else []
-        last = self.chunk("", "tool_calls", first=first and not content)
+        last = self.chunk("", "length" if finish_reason == "length" else "tool_calls", first=first and not content)
         last["choices"][0]["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         return [*chunks, last]
 
@@ -524,7 +526,7 @@ class CompletionHandler:
             return self.model_not_found(body.model)
         slot, events, handed_off, admitted = contextlib.ExitStack(), None, False, False
         try:
-            tools = Tools(body)
+            tools = Tools(body, engine.tokenizer)
             generate_request = generate_request_of(body, default_max_tokens, tools)
             if chat and not generate_request.WhichOneof("input"):
                 ids = await asyncio.to_thread(render_tool_chat, body, tools, engine.tokenizer)

@@ -65,7 +65,14 @@ def call_schema(function: dict) -> dict:
 CALL_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def calls_grammar(functions: list[dict], forced: str, parallel: bool) -> str:
+def tag(text: str, tokenizer) -> str:
+    """A call tag in Lark: the token itself where the vocabulary has it as an added token (Qwen2.5's <tool_call>),
+    which llguidance matches only as that token, never as the text spelled out; else the text."""
+    added = getattr(getattr(tokenizer, "hf", None), "get_added_vocab", dict)()
+    return f"<[{added[text]}]>" if text in added else json.dumps(text)
+
+
+def calls_grammar(functions: list[dict], forced: str, parallel: bool, tokenizer=None) -> str:
     """Lark (llguidance's dialect) for the output of a required call (forced "") or of the named one: one call
     block, or with parallel several, each holding JSON that validates against its function's parameters."""
     chosen = [f for f in functions if not forced or f["name"] == forced]
@@ -74,7 +81,7 @@ def calls_grammar(functions: list[dict], forced: str, parallel: bool) -> str:
     repeat = ' ("\\n" call)*' if parallel else ""
     return (
         f"start: call{repeat}\n"
-        f'call: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\n'
+        f'call: {tag(CALL_OPEN, tokenizer)} "\\n" body "\\n" {tag(CALL_CLOSE, tokenizer)}\n'
         f"body: %json {json.dumps(schema)}\n"
     )
 

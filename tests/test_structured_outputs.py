@@ -12,12 +12,13 @@ import torch
 
 from common.errors import InvalidArgument
 from common.grammar import grammar_of_schema, vocabulary_of
-from common.models import load_model
+from common.models import load_model, load_tokenizer
 from common.rounds import DraftSource
 from common.sampling import SamplingParams, logits_to_probs
 from coordinator.config import CoordinatorConfig
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
+from coordinator.tool_calls import tag
 from coordinator.types import GenerationParams
 from draft_worker.engine import DraftEngine
 from draft_worker.model_proposer import ModelProposer
@@ -188,3 +189,17 @@ def test_sampled_constrained_output_follows_the_targets_masked_distribution():
         assert chi_square_p_value(samples, exact) > 1e-3
     # The test can fail: the same samples reject the draft's masked distribution.
     assert chi_square_p_value(samples, masked_sequences(draft, params, allowed, prompt)) < 1e-6
+
+
+def test_a_special_token_is_allowed_only_where_the_matcher_can_take_it():
+    """llguidance's mask may allow an added token where a grammar spells its text, though its matcher takes it
+    only where the grammar names the token: allowed() keeps the two in step, so a committed token never leaves
+    the matcher behind (which would allow the same token forever)."""
+    tokenizer = load_tokenizer("smollm2-135m")
+    vocabulary = vocabulary_of(tokenizer, 49152)
+    (start,) = tokenizer.encode("<|im_start|>")
+    spelled = vocabulary.matcher(llguidance.LLMatcher.grammar_from_lark('start: "<|im_start|>" "x"'), "grammar")
+    assert not spelled.allowed()[start]
+    named = vocabulary.matcher(llguidance.LLMatcher.grammar_from_lark(f'start: <[{start}]> "x"'), "grammar")
+    assert named.allowed()[start] and named.consume([start]) == 1
+    assert tag("<|im_start|>", tokenizer) == f"<[{start}]>" and tag("<tool_call>", tokenizer) == '"<tool_call>"'
