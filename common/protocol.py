@@ -28,6 +28,8 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
         logit_bias=dict(params.logit_bias),
         generated_tokens=params.generated_tokens,
+        grammar=params.grammar,
+        grammar_start=params.grammar_start,
     )
 
 
@@ -43,6 +45,8 @@ def sampling_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         logit_bias=logit_bias_of(msg.logit_bias),
         generated_tokens=msg.generated_tokens,
+        grammar=msg.grammar,
+        grammar_start=msg.grammar_start,
     )
 
 

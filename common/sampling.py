@@ -31,6 +31,8 @@ class SamplingParams:
     # Of a session's prompt, how many final tokens the request generated already (a session reopened mid-request):
     # the presence and frequency penalties count them as output, not as prompt.
     generated_tokens: int = 0
+    grammar: str = ""  # llguidance's grammar text (common.grammar): the output is constrained to it; "": none
+    grammar_start: int = 0  # where in a session's prompt the constrained output starts (a reopening replays it)
 
     @property
     def greedy(self) -> bool:

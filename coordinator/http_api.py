@@ -4,8 +4,8 @@ GenerationService in the coordinator's event loop (FastAPI on uvicorn).
 A thin translation, as coordinator.server is for gRPC: an OpenAI request becomes a GenerateRequest and goes through
 the same checks (coordinator.requests.params_of), the same admission and the same engine; the result comes back in
 OpenAI's shapes, with `usage` and specdec's per-request `speculation` figures. specdec's own knobs are extra body
-fields (the openai SDK's `extra_body`): top_k, num_speculative_tokens, overlap, ignore_eos, and
-speculation_by_position for acceptance per draft position.
+fields (the openai SDK's `extra_body`): top_k, num_speculative_tokens, overlap, ignore_eos,
+speculation_by_position for acceptance per draft position, and grammar (Lark or GBNF) to constrain the output.
 """
 
 import asyncio
@@ -23,6 +23,7 @@ from dataclasses import replace
 import anyio
 import h11
 import uvicorn
+from llguidance.gbnf_to_lark import any_to_lark
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -40,8 +41,9 @@ from coordinator.admission import Admission
 from coordinator.config import HttpSettings
 from coordinator.engine import GenerationEngine
 from coordinator.output import Delta
-from coordinator.requests import params_of
+from coordinator.requests import MAX_MESSAGES, params_of
 from coordinator.finish_reasons import FINISH_REASON_NAMES
+from coordinator.tool_calls import calls_grammar, check_tools, parse_calls, render_chat
 from coordinator.types import GenerationParams, GenerationResult
 from common.sampling import TokenLogprob, stream_seed
 from common.tokenizer import Tokenizer
@@ -84,6 +86,7 @@ class RequestFields(BaseModel):
     functions: list | None = None
     function_call: str | dict | None = None
     response_format: dict | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's, which specdec takes too
     repetition_penalty: float | None = None
     min_p: float | None = None
@@ -93,6 +96,7 @@ class RequestFields(BaseModel):
     overlap: bool | None = None
     ignore_eos: bool | None = None
     speculation_by_position: bool | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
 
 
 class CompletionRequest(RequestFields):
@@ -112,6 +116,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(RequestFields):
@@ -123,14 +129,12 @@ class ChatCompletionRequest(RequestFields):
 
 def refuse_unsupported(body: RequestFields) -> None:
     neutral = {
-        "tools": not body.tools,
-        "tool_choice": body.tool_choice in (None, "none"),
         "functions": not body.functions,
         "function_call": body.function_call in (None, "none"),
-        "response_format": body.response_format in (None, {"type": "text"}),
     }
     if isinstance(body, CompletionRequest):
         neutral.update(best_of=body.best_of in (None, 1), suffix=not body.suffix)
+        neutral.update(tools=not body.tools, tool_choice=body.tool_choice in (None, "none"))
     for field, ok in neutral.items():
         if not ok:
             raise InvalidArgument(field, "is not supported by specdec (only its default value is accepted)")
@@ -196,12 +200,62 @@ def content_text(message: ChatMessage, index: int) -> str:
     return "".join(part.text or "" for part in message.content)
 
 
+class Tools:
+    """A chat's tools as this request uses them: its functions, the name tool_choice forces ("" for required, None
+    for auto), and whether calls are parsed out of the output (not with tool_choice "none", nor without tools)."""
+
+    def __init__(self, body: RequestFields, tokenizer=None):
+        self.tokenizer = tokenizer  # for the call tags the grammar spells (coordinator.tool_calls.tag)
+        tools = body.tools if isinstance(body, ChatCompletionRequest) and body.tool_choice != "none" else []
+        self.functions, self.forced = check_tools(tools or [], body.tool_choice if tools else None)
+        self.parallel = body.parallel_tool_calls is not False
+        self.parsed = bool(self.functions)
+        self.history = isinstance(body, ChatCompletionRequest) and any(
+            m.role == "tool" or m.tool_calls for m in body.messages
+        )
+
+    def grammar(self) -> str:
+        return calls_grammar(self.functions, self.forced, self.parallel, self.tokenizer) if self.forced is not None else ""
+
+
+def constraint_of(body: RequestFields, tools: Tools) -> generation_pb2.OutputConstraint:
+    """response_format, the grammar extra, or a forced tool call, as a GenerateRequest's constraint (at most one)."""
+    constraints = {
+        "response_format": body.response_format not in (None, {"type": "text"}),
+        "grammar": body.grammar is not None,
+        "tool_choice": tools.forced is not None,
+    }
+    given = [name for name, on in constraints.items() if on]
+    if len(given) > 1:
+        raise InvalidArgument(given[1], f"cannot be combined with {given[0]}: the output follows one constraint")
+    if body.grammar is not None:
+        try:
+            return generation_pb2.OutputConstraint(lark=any_to_lark(body.grammar))
+        except Exception as error:  # noqa: BLE001 - llguidance's GBNF converter raises what it meets
+            raise InvalidArgument("grammar", f"neither Lark nor GBNF: {error}") from None
+    if tools.forced is not None:
+        return generation_pb2.OutputConstraint(lark=tools.grammar())
+    kind = (body.response_format or {}).get("type", "text")
+    if kind == "text":
+        return generation_pb2.OutputConstraint()
+    if kind == "json_object":
+        return generation_pb2.OutputConstraint(json_schema='{"type": "object"}')
+    if kind != "json_schema":
+        raise InvalidArgument("response_format", f"unknown type {kind!r}; use text, json_object or json_schema")
+    spec = body.response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise InvalidArgument("response_format", 'json_schema must be {"name": ..., "schema": {...}, "strict": ...}')
+    schema = json.dumps(spec.get("schema", {}))
+    return generation_pb2.OutputConstraint(json_schema=schema, lenient=not spec.get("strict", False))
+
+
 def generate_request_of(
-    body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None
+    body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None, tools: Tools | None = None
 ) -> generation_pb2.GenerateRequest:
-    """The GenerateRequest an OpenAI request stands for."""
+    """The GenerateRequest an OpenAI request stands for (a chat with tools is rendered by render_tool_chat)."""
     refuse_unsupported(body)
     choices_of(body)
+    tools = tools or Tools(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     logprobs = logprobs_of(body)
     # echo with logprobs: the prompt's own log-probabilities (lm-evaluation-harness's loglikelihood requests).
@@ -229,14 +283,26 @@ def generate_request_of(
                 setattr(request, name, value)
             except ValueError:
                 raise InvalidArgument(name, f"{value} is out of range") from None
-    if isinstance(body, ChatCompletionRequest):
+    request.constraint.CopyFrom(constraint_of(body, tools))
+    if isinstance(body, CompletionRequest):
+        prompt_into(request, body.prompt)
+    elif not (tools.functions or tools.history):  # else rendered with its tools by render_tool_chat
         request.messages.messages.extend(
             generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=content_text(m, i))
             for i, m in enumerate(body.messages)
         )
-    else:
-        prompt_into(request, body.prompt)
     return request
+
+
+def render_tool_chat(body: ChatCompletionRequest, tools: Tools, tokenizer) -> list[int]:
+    """A chat with tools (or with tool calls and results in its history) rendered through the model's template."""
+    if len(body.messages) > MAX_MESSAGES:
+        raise InvalidArgument("messages", f"at most {MAX_MESSAGES} messages, got {len(body.messages)}")
+    messages = [
+        {"role": ROLE_ALIASES.get(m.role, m.role), "content": content_text(m, i), "tool_calls": m.tool_calls}
+        for i, m in enumerate(body.messages)
+    ]
+    return render_chat(tokenizer, messages, tools.functions)
 
 
 def max_tokens_of(body: RequestFields, default: int | None) -> int | None:
@@ -252,6 +318,8 @@ def param_of(field: str, body: RequestFields | None) -> str:
         return "stop"
     if field == "logprobs" and isinstance(body, ChatCompletionRequest):
         return "top_logprobs"
+    if field.startswith("constraint"):  # the caller's field the constraint came from
+        return "grammar" if getattr(body, "grammar", None) is not None else "response_format" if body.response_format else "tools"
     return {"prompt_token_ids": "prompt", "input": "prompt", "prompt_logprobs": "echo"}.get(field, field)
 
 
@@ -351,8 +419,10 @@ class Completion:
         tokenizer: Tokenizer | None = None,
         params: GenerationParams | None = None,
         echo: str | None = None,
+        tools: Tools | None = None,
     ):
         self.chat, self.model, self.by_position = chat, model, by_position
+        self.tools = tools if tools is not None and tools.parsed else None  # calls are parsed out of the output
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.logprobs = params is not None and params.logprobs is not None
@@ -387,13 +457,24 @@ class Completion:
         message = {"role": "assistant", "content": text}
         return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
 
+    def calls_of(self, text: str) -> tuple[str | None, list[dict]]:
+        if self.tools is None:
+            return text, []
+        return parse_calls(text, {f["name"] for f in self.tools.functions}, self.tools.parallel)
+
     def whole(self, results: list[GenerationResult]) -> dict:
         choices = []
         for index, result in enumerate(results):
             prompt = self.echoed(result.prompt_logprobs)
             logprobs = self.logprobs_of(result.token_ids, result.logprobs, prompt)
             text = (self.echo or "") + result.text
-            choices.append(self.choice(index, text, FINISH_REASON_NAMES.get(result.finish_reason), False, logprobs=logprobs))
+            finish = FINISH_REASON_NAMES.get(result.finish_reason)
+            choice = self.choice(index, text, finish, False, logprobs=logprobs)
+            content, calls = self.calls_of(result.text)
+            if calls:  # an output cut at max_tokens says so, whatever calls it completed before
+                choice.update(message={"role": "assistant", "content": content, "tool_calls": calls})
+                choice["finish_reason"] = "length" if finish == "length" else "tool_calls"
+            choices.append(choice)
         return {
             **self.envelope(chunk=False),
             "choices": choices,
@@ -422,6 +503,19 @@ class Completion:
             logprobs = self.logprobs_of(tokens, entries, prompt, offset)
         self.offsets[index] = self.offsets.get(index, 0) + len(text)
         return {**self.envelope(chunk=True), "choices": [self.choice(index, text, finish_reason, True, first, logprobs)]}
+
+    def last_chunks(self, index: int, held: str, finish_reason: str | None, first: bool) -> list[dict]:
+        """The end of choice `index`'s stream whose text was held back to parse tool calls out of it: its content,
+        then its calls as delta.tool_calls with finish_reason tool_calls."""
+        content, calls = self.calls_of(held)
+        if not calls:
+            if not held:
+                return [self.chunk(index, "", finish_reason, first)]
+            return [self.chunk(index, held, first=first), self.chunk(index, "", finish_reason)]
+        chunks = [self.chunk(index, content, first=first)] if content else []
+        last = self.chunk(index, "", "length" if finish_reason == "length" else "tool_calls", first=first and not content)
+        last["choices"][0]["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        return [*chunks, last]
 
     def usage_chunk(self, results: list[GenerationResult]) -> dict:
         return {
@@ -596,13 +690,17 @@ class CompletionHandler:
             return self.model_not_found(body.model)
         slot, events, handed_off, admitted = contextlib.ExitStack(), None, False, False
         try:
-            generate_request = generate_request_of(body, default_max_tokens)
+            tools = Tools(body, engine.tokenizer)
+            generate_request = generate_request_of(body, default_max_tokens, tools)
+            if chat and not generate_request.WhichOneof("input"):
+                ids = await asyncio.to_thread(render_tool_chat, body, tools, engine.tokenizer)
+                generate_request.prompt_token_ids.token_ids.extend(ids)
             slot.enter_context(self.admission.slot())
             admitted = True
             params = await params_of(generate_request, engine.tokenizer, engine.config)
             echo = echo_text(body, params, engine.tokenizer)
             completion = Completion(
-                chat, engine.target.model_name, bool(body.speculation_by_position), engine.tokenizer, params, echo
+                chat, engine.target.model_name, bool(body.speculation_by_position), engine.tokenizer, params, echo, tools
             )
             # Under FastAPI's HTTP server span: the span of a request that arrived over HTTP, not the server's own.
             limit, context = http.http_request_timeout, request_context(request)
@@ -773,10 +871,13 @@ async def stream_events(first, events, completion: Completion, include_usage: bo
     after the stream began is sent as an error event (the status line is gone by then)."""
     opened: set[int] = set()  # the choices whose first chunk went out
     results: dict[int, GenerationResult] = {}
+    held: dict[int, str] = {}  # with tools, each choice's text, parsed for tool calls at its end
     index, event = first
     try:
         while True:
-            if isinstance(event, Delta):
+            if isinstance(event, Delta) and completion.tools is not None:
+                held[index] = held.get(index, "") + event.text
+            elif isinstance(event, Delta):
                 if event.text or event.logprobs or index not in opened:
                     chunk = completion.chunk(
                         index, event.text, first=index not in opened, delta=event, prompt_logprobs=event.prompt_logprobs
@@ -785,7 +886,12 @@ async def stream_events(first, events, completion: Completion, include_usage: bo
                     opened.add(index)
             else:
                 finish = FINISH_REASON_NAMES.get(event.finish_reason)
-                yield sse(completion.chunk(index, "", finish, first=index not in opened, prompt_logprobs=event.prompt_logprobs))
+                if completion.tools is not None:
+                    for chunk in completion.last_chunks(index, held.pop(index, ""), finish, index not in opened):
+                        yield sse(chunk)
+                else:
+                    prompt = event.prompt_logprobs
+                    yield sse(completion.chunk(index, "", finish, first=index not in opened, prompt_logprobs=prompt))
                 opened.add(index)
                 results[index] = event
             try:

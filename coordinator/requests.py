@@ -2,7 +2,10 @@
 
 import asyncio
 
+from dataclasses import replace
+
 from common.errors import InvalidArgument
+from common.grammar import check_grammar, grammar_of_constraint
 from common.protocol import DRAFT_SOURCES, logit_bias_of, logprob_to_proto
 from common.wire_limits import MAX_TOP_LOGPROBS
 from common.sampling import SamplingParams
@@ -117,6 +120,15 @@ async def params_of(request: generation_pb2.GenerateRequest, tokenizer: Tokenize
         prompt_token_ids = await asyncio.to_thread(prompt_tokens_of, request, tokenizer)
     else:
         prompt_token_ids = prompt_tokens_of(request, tokenizer)
+    grammar = grammar_of_constraint(request.constraint)
+    if grammar:
+        if request.ignore_eos:
+            raise InvalidArgument("ignore_eos", "cannot be combined with a constraint, whose output ends where it is complete")
+        field = f"constraint.{request.constraint.WhichOneof('kind')}"
+        # On a thread: compiling is bounded (common.grammar.GRAMMAR_LIMITS) but not free, and a tokenizer's first
+        # grammar builds its vocabulary's index (about a second for 151k tokens).
+        await asyncio.to_thread(check_grammar, grammar, tokenizer, field)
+        sampling = replace(sampling, grammar=grammar, grammar_start=len(prompt_token_ids))
     return GenerationParams(
         prompt_token_ids=prompt_token_ids,
         sampling=sampling,

@@ -51,6 +51,9 @@ class HybridProposer(Proposer):
     def forward_costs(self) -> list[tuple[int, float]]:
         return self.model.forward_costs
 
+    def prepare(self, params: SamplingParams) -> None:
+        self.model.prepare(params)
+
     def open(self, prompt: list[int], params: SamplingParams, max_q_entries: int, max_tokens: int) -> HybridDraftSession:
         return HybridDraftSession(
             self.model.open(prompt, params, max_q_entries, max_tokens),

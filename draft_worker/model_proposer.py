@@ -6,6 +6,7 @@ import torch
 from common.batched_forward import as_sampling_input
 from common.cached_sequence import CachedSequence, forward_batch
 from common.config import DraftWorkerConfig
+from common.grammar import GrammarMatcher, mask_logits, vocabulary_of
 from common.model_runner import ModelRunner
 from common.loaded_model import LoadedModel
 from common.prefix_cache import prefix_cache_for
@@ -34,10 +35,19 @@ class ModelDraftSession:
     """
 
     def __init__(
-        self, runner: ModelRunner, prompt: list[int], params: SamplingParams, max_q_entries: int, max_tokens: int | None = None
+        self,
+        runner: ModelRunner,
+        prompt: list[int],
+        params: SamplingParams,
+        max_q_entries: int,
+        max_tokens: int | None = None,
+        grammar: GrammarMatcher | None = None,
     ):
         self.sequence = CachedSequence(runner, prompt, max_tokens)
         self.params = params
+        # Under a grammar q is masked as the target masks p: the matcher follows the output and the chain.
+        self.grammar = grammar
+        self.output_start = params.grammar_start or len(prompt)
         self.generator = make_generator(params.seed, "draft")
         self.max_q_entries = max_q_entries
         self.output_from = len(prompt) - params.generated_tokens  # where the output begins (the logit adjustments')
@@ -83,10 +93,16 @@ class ModelDraftSession:
         return (self.sequence.tokens + self.chain)[self.sequence.cache_len :]
 
     def consume(self, logits: torch.Tensor) -> None:
+        if self.grammar is not None and not self.grammar.follow((self.sequence.tokens + self.chain)[self.output_start :]):
+            # The chain left the grammar (a hybrid's suffix proposal): the target cuts it there; propose no more.
+            self.remaining, self.guessing = 0, False
+            return
         if self.params.adjusts_logits:
             # As the target adjusts its row at this position: by the committed tokens and the chain before it.
             context = self.sequence.tokens + self.chain
             logits = adjusted_logits(as_sampling_input(logits)[None], self.params, context, self.output_from, [])[0]
+        if self.grammar is not None:
+            logits = mask_logits(as_sampling_input(logits), self.grammar.allowed())
         if self.guessing:
             # The target's bonus token is unknown while it verifies: stand in the draft's likeliest token.
             token = int(logits.argmax())
@@ -128,8 +144,16 @@ class ModelProposer(Proposer):
     def check_tokens(self, token_ids: list[int], field: str) -> None:
         check_token_ids(token_ids, self.vocab_size, field)
 
+    def prepare(self, params: SamplingParams) -> None:
+        if params.grammar:
+            vocabulary_of(self.loaded.tokenizer, self.vocab_size).compile(params.grammar, "start.sampling.grammar")
+
     def open(self, prompt: list[int], params: SamplingParams, max_q_entries: int, max_tokens: int) -> ModelDraftSession:
-        return ModelDraftSession(self.loaded.runner, prompt, params, max_q_entries, max_tokens)
+        grammar = None
+        if params.grammar:
+            vocabulary = vocabulary_of(self.loaded.tokenizer, self.vocab_size)
+            grammar = vocabulary.session_matcher(params.grammar, prompt, params.grammar_start, "start.sampling.grammar")
+        return ModelDraftSession(self.loaded.runner, prompt, params, max_q_entries, max_tokens, grammar)
 
     def prefill(self, state: ModelDraftSession, max_tokens: int | None) -> bool:
         if state.reused_tokens is None:

@@ -75,6 +75,10 @@ class Proposer(ABC):
     def check_tokens(self, token_ids: list[int], field: str) -> None:  # noqa: B027 - a hook: nothing to check by default
         """Token ids a verdict commits; any id is fine without a vocabulary."""
 
+    def prepare(self, params: SamplingParams) -> None:  # noqa: B027 - a hook: nothing to prepare by default
+        """Work a session's opening needs that may take a while (compiling its grammar), done on a thread of its own
+        before the opening, so that it holds up no other session's step."""
+
     @abstractmethod
     def open(self, prompt: list[int], params: SamplingParams, max_q_entries: int, max_tokens: int) -> DraftState:
         """A new session's state (cheap: its prompt is cached by prefill)."""

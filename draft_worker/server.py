@@ -37,6 +37,8 @@ class DraftServicer(SessionStreamServicer):
     async def open(self, request):
         start = request.start
         engine = self.engine
+        if start.sampling.grammar:
+            await asyncio.to_thread(engine.proposer.prepare, sampling_from_proto(start.sampling))
         beginning = asyncio.ensure_future(
             self.run(
                 request,

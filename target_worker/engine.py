@@ -21,6 +21,7 @@ from common.config import WorkerConfig
 from common.cost_curve import cheapest_rows
 from common.memory import kv_token_budget
 from common.errors import FailedPrecondition, InvalidArgument
+from common.grammar import GrammarMatcher, mask_logits, vocabulary_of
 from common.loaded_model import LoadedModel
 from common.protocol import model_info, worker_info
 from common.rounds import DraftQ, Verdict
@@ -63,6 +64,7 @@ class TargetSession:
     output_from: int = 0  # where the request's output begins in its tokens (the logit adjustments' prompt ends)
     logprobs: int | None = None  # the committed tokens' log-probabilities, with this many alternatives (None: off)
     prompt_logprobs: list[TokenLogprob] | None = None  # filled by the prefill when asked for (None: not asked)
+    grammar: GrammarMatcher | None = None  # at the committed output
 
     @property
     def can_run_ahead(self) -> bool:
@@ -91,6 +93,19 @@ class VerifyCall:
     parent: Context | None = None
     queued_at: float = 0.0  # set by the batcher
     queue_us: int = 0
+    # Under a grammar: the masks of the rows it scores, and how many drafted tokens it feeds (up to the first one
+    # the grammar forbids, which is tested without a row of its own: its p is 0, so it is rejected).
+    allowed: torch.Tensor | None = None
+    fed: int | None = None
+    num_tested: int | None = None
+
+    @property
+    def feeds(self) -> list[int]:
+        return self.draft_tokens if self.fed is None else self.draft_tokens[: self.fed]
+
+    @property
+    def tested(self) -> list[int]:
+        return self.draft_tokens if self.num_tested is None else self.draft_tokens[: self.num_tested]
 
 
 @dataclass
@@ -188,6 +203,10 @@ class TargetEngine:
         reservation = session_reservation(max_tokens, len(prompt), context)
         session_id = self.sessions.reserve(reservation)
         try:
+            grammar = None
+            if params.grammar:
+                vocabulary = self.vocabulary()
+                grammar = vocabulary.session_matcher(params.grammar, prompt, params.grammar_start, "start.sampling.grammar")
             sequence = CachedSequence(self.runner, prompt, reservation)
             return TargetSession(
                 session_id,
@@ -198,10 +217,21 @@ class TargetEngine:
                 output_from=len(prompt) - params.generated_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=[] if prompt_logprobs else None,
+                grammar=grammar,
             )
         except BaseException:
             self.sessions.release(session_id)
             raise
+
+    def vocabulary(self):
+        """The tokenizer's index for grammars (built at the first constrained session: about a second for 151k
+        tokens)."""
+        return vocabulary_of(self.loaded.tokenizer, self.loaded.vocab_size)
+
+    def compile_grammar(self, grammar: str) -> None:
+        """Compiles a session's grammar into the cache ahead of begin_session (target_worker.server does it on a
+        thread)."""
+        self.vocabulary().compile(grammar, "start.sampling.grammar")
 
     def abandon(self, session: TargetSession) -> None:
         """Frees a session whose opening failed or was cancelled, prefilled or not."""
@@ -315,6 +345,8 @@ class TargetEngine:
                     raise FailedPrecondition("the session is closed")
                 if isinstance(call, VerifyCall):
                     self.check_step(call.session, call.draft_tokens, call.draft_dists)
+                    if call.session.grammar is not None:
+                        call.allowed, call.fed, call.num_tested = call.session.grammar.masks_along(call.draft_tokens)
                 elif isinstance(call, AheadCall):
                     self.check_decode_ahead(call.session)
                     if call.session.ahead is not None or len(call.session.sequence.pending()) != 1:
@@ -416,7 +448,7 @@ class TargetEngine:
         for call in calls:
             sequence = call.session.sequence
             if isinstance(call, VerifyCall):
-                feeds.append(sequence.pending() + call.draft_tokens)
+                feeds.append(sequence.pending() + call.feeds)
                 continue
             if isinstance(call, AheadCall):
                 feeds.append(sequence.pending())
@@ -453,10 +485,13 @@ class TargetEngine:
 
     def decide(self, call: VerifyCall, logits: torch.Tensor, span) -> Verdict:
         """The acceptance test on one session's scored rows, and the rollback of what it rejected."""
-        session, draft_tokens = call.session, call.draft_tokens
+        session, draft_tokens = call.session, call.tested
         session.last_active = time.monotonic()
         start = time.perf_counter()
-        gamma = len(draft_tokens)
+        gamma = len(call.draft_tokens)
+        raw = logits  # the log-probabilities are the model's own, before the mask and the adjustments
+        if call.allowed is not None:
+            logits = mask_logits(as_sampling_input(logits), call.allowed)
         try:
             scores = session.adjusted(as_sampling_input(logits), draft_tokens) if session.params.adjusts_logits else logits
             if session.argmax_verdict:
@@ -468,8 +503,10 @@ class TargetEngine:
             else:
                 probs = logits_to_probs(as_sampling_input(scores), session.params)
                 num_accepted, next_token = verify_draft(probs, draft_tokens, call.draft_dists, session.params, session.generator)
-                draft_token_probs = probs[torch.arange(gamma), torch.tensor(draft_tokens, dtype=torch.long)].tolist()
+                tested = torch.arange(len(draft_tokens))
+                draft_token_probs = probs[tested, torch.tensor(draft_tokens, dtype=torch.long)].tolist()
                 distributions = top_entries(probs, session.num_p_entries) if session.num_p_entries else []
+            draft_token_probs += [0.0] * (gamma - len(draft_token_probs))  # cut by the grammar: p = 0
             span.set_attributes({"specdec.accepted": num_accepted, "specdec.rollback": gamma - num_accepted})
         finally:
             span.end()
@@ -485,8 +522,10 @@ class TargetEngine:
             sync_us = elapsed_us(sync_start)
         self.metrics.record_rollback(sync_us / 1e6)
         committed = draft_tokens[:num_accepted] + [next_token]
-        logprobs = [] if session.logprobs is None else token_logprobs(as_sampling_input(logits), committed, session.logprobs)
+        logprobs = [] if session.logprobs is None else token_logprobs(as_sampling_input(raw), committed, session.logprobs)
         sequence.tokens += committed
+        if session.grammar is not None:
+            session.grammar.consume(committed)
         return Verdict(
             num_accepted,
             next_token,

@@ -32,6 +32,8 @@ class TargetServicer(SessionStreamServicer):
 
     async def open(self, request):
         start = request.start
+        if start.sampling.grammar:  # compiled (and cached) off the event loop: the sessions beside it go on
+            await asyncio.to_thread(self.engine.compile_grammar, start.sampling.grammar)
         session = self.engine.begin_session(
             list(start.prompt_token_ids),
             sampling_from_proto(start.sampling),

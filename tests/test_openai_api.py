@@ -2,11 +2,15 @@
 processes on loopback, tiny random models), and its error cases against an in-process coordinator."""
 
 import asyncio
+import json
 import threading
+from typing import Literal
 
 import grpc
+import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from common.model_specs import TINY_RANDOM_CONTEXT
 from coordinator.client import GenerationClient
@@ -257,6 +261,121 @@ def test_echo_with_logprobs_scores_the_prompt_as_an_eval_harness_asks(client):
         assert token_logprobs == expected.logprobs.token_logprobs and offsets == expected.logprobs.text_offset
 
 
+class Answer(BaseModel):
+    # Compact JSON (llguidance's option): with bounded values the grammar ends, so a random model's answer ends.
+    model_config = ConfigDict(json_schema_extra={"x-guidance": {"whitespace_flexible": False}})
+    ok: bool
+    n: int = Field(ge=0, le=99)
+    tag: Literal["red", "green", "blue"]
+
+
+def test_parse_with_a_pydantic_model_gives_target_only_output_under_speculation(client):
+    def parse(**options):
+        messages = [{"role": "user", "content": "answer in JSON"}]
+        return client.chat.completions.parse(
+            model=TARGET, messages=messages, response_format=Answer, temperature=0, max_tokens=60, **options
+        )
+
+    speculated, alone = parse(), parse(extra_body={"num_speculative_tokens": 0})
+    (choice,) = speculated.choices
+    assert isinstance(choice.message.parsed, Answer) and choice.finish_reason == "stop"
+    assert choice.message.content == alone.choices[0].message.content
+    assert speculated.model_extra["speculation"]["drafted_tokens"] > 0 == alone.model_extra["speculation"]["drafted_tokens"]
+
+
+def test_a_schema_penalties_bias_and_logprobs_together_give_target_only_output_under_speculation(client):
+    def parse(**options):
+        messages = [{"role": "user", "content": "answer in JSON"}]
+        return client.chat.completions.parse(
+            model=TARGET,
+            messages=messages,
+            response_format=Answer,
+            temperature=0,
+            max_tokens=60,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            logit_bias={"34": 5.0, "101": -3.0},
+            logprobs=True,
+            top_logprobs=3,
+            **options,
+        )
+
+    speculated, alone = parse(), parse(extra_body={"num_speculative_tokens": 0})
+    (choice,) = speculated.choices
+    assert isinstance(choice.message.parsed, Answer)
+    assert choice.message.content == alone.choices[0].message.content
+    assert speculated.model_extra["speculation"]["drafted_tokens"] > 0
+    ours, theirs = choice.logprobs.content, alone.choices[0].logprobs.content
+    assert [e.token for e in ours] == [e.token for e in theirs] and len(ours) == speculated.usage.completion_tokens
+    # The torch runner's rows may differ in their last bits with the pass's row count (the gguf engine's never do:
+    # test_gguf_engine checks those bit for bit).
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(ours, theirs, strict=True))
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_tool_call_parses_against_its_schema_streamed_or_not_and_speculation_keeps_it(client):
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    body = {"model": TARGET, "messages": messages, "tools": [WEATHER], "tool_choice": NAMED, "parallel_tool_calls": False}
+    body.update(temperature=0, max_tokens=120)
+    speculated = client.chat.completions.create(**body)
+    alone = client.chat.completions.create(**body, extra_body={"num_speculative_tokens": 0})
+    (choice,) = speculated.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert alone.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    assert speculated.model_extra["speculation"]["drafted_tokens"] > 0
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The call and its result go back in the history; the next turn is served.
+    result = {"role": "tool", "tool_call_id": call.id, "content": "sunny"}
+    history = [*messages, choice.message.model_dump(exclude_none=True), result]
+    follow_up = client.chat.completions.create(model=TARGET, messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
+    assert follow_up.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_bad_constraints_and_tool_choices_get_400_naming_the_callers_field(client):
+    user = [{"role": "user", "content": "hi"}]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}, "strict": True}}
+    cases = [
+        ({"response_format": bad_schema}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"extra_body": {"grammar": "start: x\nx: y"}}, "grammar"),  # y is never defined
+        ({"extra_body": {"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(9000))}}, "grammar"),  # too big
+        ({"response_format": {"type": "json_object"}, "extra_body": {"grammar": 'start: "a"'}}, "grammar"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}], "tool_choice": "required"},
+         "tools"),
+    ]
+    for options, param in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=TARGET, messages=user, max_tokens=4, **options)
+        assert error.value.status_code == 400 and error.value.body["param"] == param, (options, error.value.body)
+        assert error.value.body["message"].startswith(param + ":"), error.value.body
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=TARGET, prompt="hi", max_tokens=4, extra_body={"tools": [WEATHER]})
+    assert error.value.body["param"] == "tools"
+
+
 def test_a_missing_or_wrong_token_gets_401(cluster):
     import httpx2
 
@@ -287,8 +406,6 @@ def test_null_fields_take_their_defaults_and_other_sdks_fields_are_refused_or_ig
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] <= 3
     refused = [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"seed": 2**64}, "seed"),
         ({"max_tokens": 2**40}, "max_tokens"),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\"\xe6\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10generated_tokens\x18\n \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x96\x01\n\x0cWorkerTiming\x12\x12\n\ncompute_us\x18\x01 \x01(\x03\x12\x0f\n\x07sync_us\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\x05\x12\x10\n\x08queue_us\x18\x05 \x01(\x03\x12\x13\n\x0bhandling_us\x18\x06 \x01(\x03\x12\x10\n\x08\x61head_us\x18\x07 \x01(\x03\"3\n\x0b\x46orwardCost\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x14\n\x0cmilliseconds\x18\x02 \x01(\x01\"\xaf\x01\n\x0eSessionStarted\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.specdec.v1.WorkerTiming\x12\x15\n\rreused_tokens\x18\x04 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x10\n\x0eGetInfoRequest\"\xc8\x03\n\x0fGetInfoResponse\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.specdec.v1.WorkerRole\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1a\n\x12max_context_length\x18\x07 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\t \x01(\x05\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12.\n\rforward_costs\x18\x0b \x03(\x0b\x32\x17.specdec.v1.ForwardCost\x12\x0e\n\x06\x65ngine\x18\x0c \x01(\t\x12\x15\n\rmax_kv_tokens\x18\r \x01(\x03\x12\x1a\n\x12reserved_kv_tokens\x18\x0e \x01(\x03\x12\x15\n\rdecodes_ahead\x18\x0f \x01(\x08\x12\x1b\n\x13prefix_cache_tokens\x18\x10 \x01(\x03\x12 \n\x18prefix_cache_held_tokens\x18\x11 \x01(\x03*\xa4\x01\n\x0b\x44raftSource\x12\x1c\n\x18\x44RAFT_SOURCE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFT_SOURCE_MODEL\x10\x01\x12\x1e\n\x1a\x44RAFT_SOURCE_PROMPT_LOOKUP\x10\x02\x12\x1f\n\x1b\x44RAFT_SOURCE_SUFFIX_REQUEST\x10\x03\x12\x1e\n\x1a\x44RAFT_SOURCE_SUFFIX_GLOBAL\x10\x04*X\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_ROLE_DRAFT\x10\x01\x12\x16\n\x12WORKER_ROLE_TARGET\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/worker.proto\x12\nspecdec.v1\"\x8e\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10generated_tokens\x18\n \x01(\r\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x12\x15\n\rgrammar_start\x18\x11 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x96\x01\n\x0cWorkerTiming\x12\x12\n\ncompute_us\x18\x01 \x01(\x03\x12\x0f\n\x07sync_us\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\x05\x12\x10\n\x08queue_us\x18\x05 \x01(\x03\x12\x13\n\x0bhandling_us\x18\x06 \x01(\x03\x12\x10\n\x08\x61head_us\x18\x07 \x01(\x03\"3\n\x0b\x46orwardCost\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x14\n\x0cmilliseconds\x18\x02 \x01(\x01\"\xaf\x01\n\x0eSessionStarted\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.specdec.v1.WorkerTiming\x12\x15\n\rreused_tokens\x18\x04 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x10\n\x0eGetInfoRequest\"\xc8\x03\n\x0fGetInfoResponse\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.specdec.v1.WorkerRole\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1a\n\x12max_context_length\x18\x07 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\t \x01(\x05\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12.\n\rforward_costs\x18\x0b \x03(\x0b\x32\x17.specdec.v1.ForwardCost\x12\x0e\n\x06\x65ngine\x18\x0c \x01(\t\x12\x15\n\rmax_kv_tokens\x18\r \x01(\x03\x12\x1a\n\x12reserved_kv_tokens\x18\x0e \x01(\x03\x12\x15\n\rdecodes_ahead\x18\x0f \x01(\x08\x12\x1b\n\x13prefix_cache_tokens\x18\x10 \x01(\x03\x12 \n\x18prefix_cache_held_tokens\x18\x11 \x01(\x03*\xa4\x01\n\x0b\x44raftSource\x12\x1c\n\x18\x44RAFT_SOURCE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFT_SOURCE_MODEL\x10\x01\x12\x1e\n\x1a\x44RAFT_SOURCE_PROMPT_LOOKUP\x10\x02\x12\x1f\n\x1b\x44RAFT_SOURCE_SUFFIX_REQUEST\x10\x03\x12\x1e\n\x1a\x44RAFT_SOURCE_SUFFIX_GLOBAL\x10\x04*X\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_ROLE_DRAFT\x10\x01\x12\x16\n\x12WORKER_ROLE_TARGET\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_DRAFTSOURCE']._serialized_start=1396
-  _globals['_DRAFTSOURCE']._serialized_end=1560
-  _globals['_WORKERROLE']._serialized_start=1562
-  _globals['_WORKERROLE']._serialized_end=1650
+  _globals['_DRAFTSOURCE']._serialized_start=1436
+  _globals['_DRAFTSOURCE']._serialized_end=1600
+  _globals['_WORKERROLE']._serialized_start=1602
+  _globals['_WORKERROLE']._serialized_end=1690
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=398
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=318
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=366
-  _globals['_TOKENLOGPROB']._serialized_start=400
-  _globals['_TOKENLOGPROB']._serialized_end=476
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=478
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=532
-  _globals['_WORKERTIMING']._serialized_start=535
-  _globals['_WORKERTIMING']._serialized_end=685
-  _globals['_FORWARDCOST']._serialized_start=687
-  _globals['_FORWARDCOST']._serialized_end=738
-  _globals['_SESSIONSTARTED']._serialized_start=741
-  _globals['_SESSIONSTARTED']._serialized_end=916
-  _globals['_GETINFOREQUEST']._serialized_start=918
-  _globals['_GETINFOREQUEST']._serialized_end=934
-  _globals['_GETINFORESPONSE']._serialized_start=937
-  _globals['_GETINFORESPONSE']._serialized_end=1393
+  _globals['_SAMPLINGPARAMS']._serialized_end=438
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=358
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=406
+  _globals['_TOKENLOGPROB']._serialized_start=440
+  _globals['_TOKENLOGPROB']._serialized_end=516
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=518
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=572
+  _globals['_WORKERTIMING']._serialized_start=575
+  _globals['_WORKERTIMING']._serialized_end=725
+  _globals['_FORWARDCOST']._serialized_start=727
+  _globals['_FORWARDCOST']._serialized_end=778
+  _globals['_SESSIONSTARTED']._serialized_start=781
+  _globals['_SESSIONSTARTED']._serialized_end=956
+  _globals['_GETINFOREQUEST']._serialized_start=958
+  _globals['_GETINFOREQUEST']._serialized_end=974
+  _globals['_GETINFORESPONSE']._serialized_start=977
+  _globals['_GETINFORESPONSE']._serialized_end=1433
 # @@protoc_insertion_point(module_scope)
