@@ -33,27 +33,67 @@ VOCAB = 512
 # size, QK-norm) and Llama 3.2-1B (32 heads of 64 over 8 kv heads, RoPE base 500,000, llama3 scaling x32).
 CONFIGS = {
     "qwen3": Qwen3Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
     ),
     "llama": LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
         rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 32.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+            "rope_theta": 500_000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
         },
     ),
 }
 # Block formats of the products (Q4_K and Q6_K have no quantizer in the gguf package; the real files' tensors of those
 # formats are tested in test_gguf_engine.py).
-FORMATS = {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q5_0, "attn_output": Q.Q8_0, "ffn_gate": Q.Q5_0,
-           "ffn_up": Q.Q5_0, "ffn_down": Q.Q4_1, "token_embd": Q.Q8_0, "output": Q.Q8_0}
-HF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-HF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
-            "attn_k_norm": "self_attn.k_norm"}
+FORMATS = {
+    "attn_q": Q.Q8_0,
+    "attn_k": Q.Q8_0,
+    "attn_v": Q.Q5_0,
+    "attn_output": Q.Q8_0,
+    "ffn_gate": Q.Q5_0,
+    "ffn_up": Q.Q5_0,
+    "ffn_down": Q.Q4_1,
+    "token_embd": Q.Q8_0,
+    "output": Q.Q8_0,
+}
+HF_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+HF_NORMS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 
 
 def permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -93,13 +133,17 @@ def write_gguf(path, architecture: str, config, model) -> None:
             # Blocks hold whole rows, so permuting rows and quantizing commute: the file holds the permuted rows of
             # the blocks whose weights transformers' model gets in its own order.
             blocks, module.weight.data = quantized(module.weight.detach().float().numpy(), FORMATS[gguf_name])
-            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", permute(blocks, heads) if heads else blocks, raw_dtype=FORMATS[gguf_name])
+            writer.add_tensor(
+                f"blk.{i}.{gguf_name}.weight", permute(blocks, heads) if heads else blocks, raw_dtype=FORMATS[gguf_name]
+            )
         for gguf_name, module_path in HF_NORMS.items():
             if gguf_name in ("attn_q_norm", "attn_k_norm") and architecture != "qwen3":
                 continue
             writer.add_tensor(f"blk.{i}.{gguf_name}.weight", layer.get_submodule(module_path).weight.detach().float().numpy())
     writer.add_tensor("output_norm.weight", decoder.norm.weight.detach().float().numpy())
-    blocks, decoder.embed_tokens.weight.data = quantized(decoder.embed_tokens.weight.detach().float().numpy(), FORMATS["token_embd"])
+    blocks, decoder.embed_tokens.weight.data = quantized(
+        decoder.embed_tokens.weight.detach().float().numpy(), FORMATS["token_embd"]
+    )
     writer.add_tensor("token_embd.weight", blocks, raw_dtype=FORMATS["token_embd"])
     if not config.tie_word_embeddings:
         head = model.get_output_embeddings()
@@ -160,7 +204,9 @@ def test_the_rotary_frequencies_are_transformers_own_with_llama3_scaling_from_ro
     ours, theirs = loaded.model.get_decoder().rotary_emb, reference.get_decoder().rotary_emb
     assert torch.allclose(ours.inv_freq, theirs.inv_freq, rtol=1e-6, atol=0)
     path = loaded.name
-    torch_engine = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)))
+    torch_engine = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    )
     apply_file_rope_factors(torch_engine, path)
     assert torch.allclose(torch_engine.get_decoder().rotary_emb.inv_freq, theirs.inv_freq, rtol=1e-6, atol=0)
     if theirs.rope_type == "llama3":  # the test can fail: the scaling changes the low frequencies

@@ -22,6 +22,7 @@ from common.quantized.layers import QuantizedEmbedding, QuantizedLinear
 
 log = logging.getLogger("specdec")
 
+
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
     """The row order that undoes llama.cpp's conversion of a llama q or k projection (transformers'
     reverse_permute_weights, applied to row indices: the rows are independent blocks, so this is exact)."""
@@ -83,7 +84,9 @@ def apply_rope_factors(rotary: torch.nn.Module, factors: torch.Tensor, path: str
     if getattr(rotary, "rope_type", "default") != "default":
         return  # the config already scales its frequencies
     if factors.shape != rotary.inv_freq.shape:
-        raise InvalidArgument("model", f"{path}: rope_freqs.weight has {factors.numel()} factors for {rotary.inv_freq.numel()} frequencies")
+        raise InvalidArgument(
+            "model", f"{path}: rope_freqs.weight has {factors.numel()} factors for {rotary.inv_freq.numel()} frequencies"
+        )
     rotary.inv_freq = rotary.inv_freq / factors
     rotary.original_inv_freq = rotary.inv_freq.clone()
 
@@ -121,7 +124,9 @@ def build_quantized_model(path: str, config) -> torch.nn.Module:
 
     def norm(name: str) -> torch.nn.Parameter:
         weights = tensors.floats(name)
-        return torch.nn.Parameter(weights - architecture.norm_offset if architecture.norm_offset else weights, requires_grad=False)
+        return torch.nn.Parameter(
+            weights - architecture.norm_offset if architecture.norm_offset else weights, requires_grad=False
+        )
 
     for i, layer in enumerate(decoder.layers):
         for gguf_name, path_in_layer in LINEARS.items():
