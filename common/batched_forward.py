@@ -166,7 +166,9 @@ def causal_mask(query_length: int, key_length: int, device: torch.device, window
     return (keys <= rows) & (keys > rows - window) if window else keys <= rows
 
 
-def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+def attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, window: int | None = None
+) -> torch.Tensor:
     """One session's attention, [1, heads, n, d] queries against its [1, kv_heads, L, d] cache."""
     n, length = query.shape[-2], keys.shape[-2]
     if n == 1 and window and length > window:  # a step sees the last window keys: a slice, not a mask
@@ -185,11 +187,15 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scalin
 ROW_EXACT_QUERY_ROWS = 16
 
 
-def attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+def attend_rows(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, window: int | None = None
+) -> torch.Tensor:
     """attend, one query row at a time, each against the keys up to its own position."""
     n, length = query.shape[-2], keys.shape[-2]
     rows = [
-        attend(query[..., i : i + 1, :], keys[..., : length - n + i + 1, :], values[..., : length - n + i + 1, :], scaling, window)
+        attend(
+            query[..., i : i + 1, :], keys[..., : length - n + i + 1, :], values[..., : length - n + i + 1, :], scaling, window
+        )
         for i in range(n)
     ]
     return rows[0] if n == 1 else torch.cat(rows, dim=-2)

@@ -205,10 +205,10 @@ def load_quantized(spec: str) -> LoadedModel:
     """A GGUF model on its own quantized blocks (the gguf engine, common.quantized)."""
     from transformers import AutoConfig
 
-    from common.quantized.loader import build_quantized_model, check_architecture
+    from common.quantized.loader import build_quantized_model, check_file
 
     path = gguf_path(spec)
-    check_architecture(path)  # from the header, before the tens of seconds of converting its metadata
+    check_file(path)
     source, kwargs = metadata_source(spec)
     config = AutoConfig.from_pretrained(source, **kwargs)
     model = build_quantized_model(path, config)

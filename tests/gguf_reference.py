@@ -68,7 +68,9 @@ def float64_logits(model: torch.nn.Module, ids: list[int], head_rows: torch.Tens
         v = product(h, attention.v_proj).reshape(n, kv_heads, dim)
         if getattr(attention, "q_norm", None) is not None:
             q, k = rms(q, attention.q_norm, offset, eps), rms(k, attention.k_norm, offset, eps)
-        inv_freq, scaling = inverse_frequencies(decoder.rotary_emb, layer_types[index] if architecture.rope_by_layer_type else None)
+        inv_freq, scaling = inverse_frequencies(
+            decoder.rotary_emb, layer_types[index] if architecture.rope_by_layer_type else None
+        )
         q, k = rotate(q, inv_freq, positions) * scaling, rotate(k, inv_freq, positions) * scaling
         k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * attention.scaling
@@ -83,7 +85,9 @@ def float64_logits(model: torch.nn.Module, ids: list[int], head_rows: torch.Tens
         if architecture.sandwich_norms:
             attended = rms(attended, layer.post_attention_layernorm, offset, eps)
         x = x + attended
-        h = rms(x, layer.pre_feedforward_layernorm if architecture.sandwich_norms else layer.post_attention_layernorm, offset, eps)
+        h = rms(
+            x, layer.pre_feedforward_layernorm if architecture.sandwich_norms else layer.post_attention_layernorm, offset, eps
+        )
         gate = product(h, mlp.gate_proj)
         gate = torch.nn.functional.gelu(gate, approximate="tanh") if architecture.gelu else torch.nn.functional.silu(gate)
         out = product(gate * product(h, mlp.up_proj), mlp.down_proj)

@@ -72,16 +72,35 @@ def test_sliding_window_attention_with_soft_capped_scores_matches_its_definition
     rows = sum(lengths)
     q, k, v = (torch.randn(rows, h, dim, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
     out = kernels().attend_sessions(
-        q.float(), k.float(), v.float(), [c[0].float() for c in caches], [c[1].float() for c in caches], starts, lengths,
-        dim**-0.5, window, cap,
+        q.float(),
+        k.float(),
+        v.float(),
+        [c[0].float() for c in caches],
+        [c[1].float() for c in caches],
+        starts,
+        lengths,
+        dim**-0.5,
+        window,
+        cap,
     )
     full = kernels().attend_sessions(
-        q.float(), k.float(), v.float(), [c[0].float() for c in caches], [c[1].float() for c in caches], starts, lengths,
-        dim**-0.5, 0, 0.0,
+        q.float(),
+        k.float(),
+        v.float(),
+        [c[0].float() for c in caches],
+        [c[1].float() for c in caches],
+        starts,
+        lengths,
+        dim**-0.5,
+        0,
+        0.0,
     )
     row = 0
     for (keys, values), start, n in zip(caches, starts, lengths, strict=True):
-        keys[0, :, start : start + n], values[0, :, start : start + n] = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
+        keys[0, :, start : start + n], values[0, :, start : start + n] = (
+            k[row : row + n].transpose(0, 1),
+            v[row : row + n].transpose(0, 1),
+        )
         positions = torch.arange(start, start + n)[:, None]
         seen = torch.arange(start + n)[None, :]
         visible = (seen <= positions) & (seen > positions - window)

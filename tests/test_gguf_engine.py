@@ -261,6 +261,22 @@ def test_an_unsupported_block_format_is_refused_by_name():
         formats.pack(np.zeros((1, 176), np.uint8), gguf.GGMLQuantizationType.Q5_K, 1, 256)
 
 
+def test_a_matrix_in_a_block_format_the_kernels_lack_is_refused_from_the_tensor_index_naming_it(tmp_path):
+    path = tmp_path / "q5_1.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")  # no tokenizer: refused before any metadata is converted
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))  # lookups only: any format
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("output.weight", gguf.quants.quantize(np.ones((8, 64), np.float32), q8_0), raw_dtype=q8_0)
+    blocks = gguf.quants.quantize(np.ones((8, 64), np.float32), gguf.GGMLQuantizationType.Q5_1)
+    writer.add_tensor("blk.0.ffn_up.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q5_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(InvalidArgument, match=r"q5_1\.gguf: blk\.0\.ffn_up\.weight: block format Q5_1"):
+        load_model(str(path), engine="gguf")
+
+
 def test_a_truncated_gguf_file_is_a_clear_error_naming_it(tmp_path):
     broken = tmp_path / "truncated.gguf"
     with open(gguf_path(SMOLLM2), "rb") as source:

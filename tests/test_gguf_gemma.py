@@ -16,6 +16,8 @@ from tests.conftest import prefilled, running_services
 from tests.gguf_reference import float64_logits
 from tests.test_greedy_equivalence import generate_ids
 
+pytestmark = pytest.mark.slow  # a 262,144-token model: its load alone takes 15 s on 2 cores
+
 GEMMA = "gemma3-270m"
 WINDOW = 512  # the 270M's sliding window (its config's sliding_window)
 CODE = "".join(f"def f{i}(x):\n    return x * {i} + {i * i % 17}\n\n" for i in range(60))
@@ -61,7 +63,6 @@ def test_logits_match_the_float64_reference_of_the_dequantised_weights(gemma):
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 
-@pytest.mark.slow
 def test_rows_are_bit_identical_in_any_pass_and_batch_across_the_window_edge_and_after_a_rollback(gemma):
     """A session near the window's edge (its steps cross position 512, where the local layers start dropping keys):
     its rows scored one token a step equal those of one verification pass, of a pass beside other sessions, and of
@@ -81,7 +82,6 @@ def test_rows_are_bit_identical_in_any_pass_and_batch_across_the_window_edge_and
     assert not torch.equal(steps[0], steps[-1])  # the test can fail: rows differ
 
 
-@pytest.mark.slow
 def test_greedy_output_equals_transformers_own_gemma3_on_the_dequantised_weights(gemma):
     """transformers' Gemma 3 (its own sdpa attention and masks) on the file's de-quantised weights, greedy, past the
     sliding window: the gguf engine and the torch runner (the ragged attention with the window) pick its tokens."""
@@ -107,7 +107,6 @@ def test_greedy_output_equals_transformers_own_gemma3_on_the_dequantised_weights
     assert greedy(torch_engine.runner) == expected
 
 
-@pytest.mark.slow
 def test_greedy_speculation_on_gemma3_equals_target_only(gemma):
     drafts = [
         DraftEngine(PromptLookupProposer(), "ngram"),

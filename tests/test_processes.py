@@ -136,5 +136,7 @@ def test_a_worker_that_cannot_start_says_why_in_one_line_naming_the_file_and_exi
     done = subprocess.run([sys.executable, "-m", "cli", *serve], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and one_line_error(done.stderr, str(path), reason), done.stderr
     # The traceback is in the debug log.
-    debug = subprocess.run([sys.executable, "-m", "cli", "--log-level", "DEBUG", *serve], capture_output=True, text=True, timeout=300)
+    debug = subprocess.run(
+        [sys.executable, "-m", "cli", "--log-level", "DEBUG", *serve], capture_output=True, text=True, timeout=300
+    )
     assert debug.returncode == 2 and "Traceback" in debug.stderr

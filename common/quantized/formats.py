@@ -147,11 +147,15 @@ def pack_q5_0(raw: np.ndarray, n: int, k: int) -> PackedWeight:
 PACKERS = {Q.Q4_K: pack_q4_k, Q.Q6_K: pack_q6_k, Q.Q4_1: pack_q4_1, Q.Q8_0: pack_q8_0, Q.Q5_0: pack_q5_0}
 
 
-def pack(raw: np.ndarray, qtype: Q, n: int, k: int) -> PackedWeight:
-    """A GGUF tensor's bytes [n, row bytes] of `qtype` in its kernel's layout."""
+def check_kernel_format(qtype: Q) -> None:
     if qtype not in PACKERS:
         supported = ", ".join(t.name for t in KERNEL_FORMATS)
         raise UnsupportedFormat(f"block format {qtype.name} (the gguf engine computes on {supported})")
+
+
+def pack(raw: np.ndarray, qtype: Q, n: int, k: int) -> PackedWeight:
+    """A GGUF tensor's bytes [n, row bytes] of `qtype` in its kernel's layout."""
+    check_kernel_format(qtype)
     return PACKERS[qtype](np.ascontiguousarray(raw), n, k)
 
 

@@ -16,11 +16,12 @@ import torch
 from common.errors import InvalidArgument
 from common.memory import check_fits
 from common.quantized.architectures import ARCHITECTURES, LINEARS, architecture_of, supported_names
-from common.quantized.formats import FLOAT_FORMATS, UnsupportedFormat, pack
+from common.quantized.formats import FLOAT_FORMATS, UnsupportedFormat, check_kernel_format, pack
 from common.quantized.gguf_file import GGUFFormatError, read_architecture, read_tensors
 from common.quantized.layers import QuantizedEmbedding, QuantizedLinear
 
 log = logging.getLogger("specdec")
+
 
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
     """The row order that undoes llama.cpp's conversion of a llama q or k projection (transformers'
@@ -83,19 +84,32 @@ def apply_rope_factors(rotary: torch.nn.Module, factors: torch.Tensor, path: str
     if getattr(rotary, "rope_type", "default") != "default":
         return  # the config already scales its frequencies
     if factors.shape != rotary.inv_freq.shape:
-        raise InvalidArgument("model", f"{path}: rope_freqs.weight has {factors.numel()} factors for {rotary.inv_freq.numel()} frequencies")
+        raise InvalidArgument(
+            "model", f"{path}: rope_freqs.weight has {factors.numel()} factors for {rotary.inv_freq.numel()} frequencies"
+        )
     rotary.inv_freq = rotary.inv_freq / factors
     rotary.original_inv_freq = rotary.inv_freq.clone()
 
 
-def check_architecture(path: str) -> None:
-    """Refuses a file that is not a readable GGUF of an architecture the engine runs, from its header alone."""
+def check_file(path: str) -> None:
+    """Refuses a file that is not a readable GGUF of an architecture the engine runs, or whose matrices are in a
+    block format it does not compute on: from the header and the tensor index alone, before the tens of seconds of
+    converting the file's metadata."""
     try:
         name = read_architecture(path)
+        tensors = read_tensors(path)
     except (GGUFFormatError, OSError) as error:
         raise InvalidArgument("model", f"{path}: not a readable GGUF file ({error})") from None
     if name not in ARCHITECTURES:
         raise InvalidArgument("engine", f"{path}: the gguf engine runs {supported_names()} models, not {name}")
+    # The products' matrices; token_embd is one where the head is tied to it (its lookups read any format).
+    tied = "output.weight" not in tensors
+    for tensor_name, t in tensors.items():
+        if len(t.shape) == 2 and (tensor_name != "token_embd.weight" or tied):
+            try:
+                check_kernel_format(t.tensor_type)
+            except UnsupportedFormat as error:
+                raise InvalidArgument("model", f"{path}: {tensor_name}: {error}") from None
 
 
 def build_quantized_model(path: str, config) -> torch.nn.Module:
@@ -121,7 +135,9 @@ def build_quantized_model(path: str, config) -> torch.nn.Module:
 
     def norm(name: str) -> torch.nn.Parameter:
         weights = tensors.floats(name)
-        return torch.nn.Parameter(weights - architecture.norm_offset if architecture.norm_offset else weights, requires_grad=False)
+        return torch.nn.Parameter(
+            weights - architecture.norm_offset if architecture.norm_offset else weights, requires_grad=False
+        )
 
     for i, layer in enumerate(decoder.layers):
         for gguf_name, path_in_layer in LINEARS.items():
