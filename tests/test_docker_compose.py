@@ -72,8 +72,8 @@ def test_the_qwen_pair_is_chosen_by_environment_and_installed_into_the_models_vo
 
 
 def test_each_service_has_its_own_metrics_port_and_an_init_that_passes_sigterm_on(services):
-    ports = [services[name]["command"][services[name]["command"].index("--metrics-port") + 1] for name in (*WORKERS, "coordinator")]
-    assert len(set(ports)) == 3
+    commands = [services[name]["command"] for name in (*WORKERS, "coordinator")]
+    assert len({command[command.index("--metrics-port") + 1] for command in commands}) == 3
     for name in (*WORKERS, "coordinator"):
         assert services[name]["init"] is True, name
 
