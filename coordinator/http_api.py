@@ -210,9 +210,7 @@ class Tools:
         self.functions, self.forced = check_tools(tools or [], body.tool_choice if tools else None)
         self.parallel = body.parallel_tool_calls is not False
         self.parsed = bool(self.functions)
-        self.history = isinstance(body, ChatCompletionRequest) and any(
-            m.role == "tool" or m.tool_calls for m in body.messages
-        )
+        self.history = isinstance(body, ChatCompletionRequest) and any(m.role == "tool" or m.tool_calls for m in body.messages)
 
     def grammar(self) -> str:
         return calls_grammar(self.functions, self.forced, self.parallel, self.tokenizer) if self.forced is not None else ""

@@ -363,8 +363,10 @@ def test_bad_constraints_and_tool_choices_get_400_naming_the_callers_field(clien
         ({"response_format": {"type": "json_object"}, "extra_body": {"grammar": 'start: "a"'}}, "grammar"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}], "tool_choice": "required"},
-         "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}], "tool_choice": "required"},
+            "tools",
+        ),
     ]
     for options, param in cases:
         with pytest.raises(openai.BadRequestError) as error:
