@@ -134,7 +134,7 @@ def attention_call(config, rows: int, context: int):
     ops = kernels()
 
     def call():
-        ops.attend_sessions(q, k, v, [keys], [values], [context], [rows], dim**-0.5)
+        ops.attend_sessions(q, k, v, [keys], [values], [context], [rows], dim**-0.5, 0, 0.0)  # no window, no soft cap
 
     # Multiply-adds: each row's scores and weighted sum, over its context and the pass's rows before it.
     macs = 2 * heads * dim * sum(context + i + 1 for i in range(rows))
