@@ -71,8 +71,10 @@ def test_per_round_coordinator_time_does_not_grow_with_the_answer(target_model, 
     assert len(scanned) == ANSWER_TOKENS and sum(scanned) < 1.1 * len(result.text), (sum(scanned), len(result.text))
     assert result.text == tokenizer.decode(result.token_ids)
     # And the time, for whatever else a round might redo: the fastest rounds (a tenth) of the last quarter against
-    # those of the first, which a busy machine slows less than the median.
+    # those of the first, which a busy machine slows less than the median. Redoing the answer's detokenisation or stop
+    # scan would cost hundreds of microseconds a round by the end; the margin is for a long-running test process
+    # (a larger heap, a loaded machine), where both quarters run up to twice as slow as alone.
     per_round = [r.time_split.coordinator_us for r in result.rounds]
     quarter = len(per_round) // 4
     early, late = (statistics.quantiles(part, n=10)[0] for part in (per_round[:quarter], per_round[-quarter:]))
-    assert late < 1.5 * early + 50, (early, late)
+    assert late < 2 * early + 100, (early, late)
