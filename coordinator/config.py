@@ -70,6 +70,12 @@ class CoordinatorServerConfig:
         "a model-free draft run in this process instead of draft workers: ngram[:...] (prompt lookup) or suffix[:...] "
         "(suffix trees); no exchange with a draft worker per round",
     )
+    model_free_draft_here: bool = setting(
+        False,
+        "when the draft workers (--draft) serve a model-free draft (ngram or suffix), run that same draft in this "
+        "process, as --local-draft does; a model draft stays on the workers (for deployments whose draft is chosen "
+        "on the draft workers, e.g. compose and Kubernetes)",
+    )
     tokenizer: str | None = setting(None, "tokenizer spec (default: the target worker's model)")
     http_port: int | None = setting(
         None, "also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) on this port"
@@ -116,6 +122,8 @@ class CoordinatorServerConfig:
                     f"--local-draft takes a model-free draft (ngram[:...] or suffix[:...]), got {self.local_draft!r}; "
                     "a model draft runs on draft workers (--draft)"
                 )
+        if self.model_free_draft_here and not self.draft:
+            raise ConfigError("--model-free-draft-here takes draft workers (--draft) whose draft it would run here")
         if self.auth == "none" and self.auth_token:
             raise ConfigError("--auth none (SPECDEC_AUTH) contradicts the --auth-token given; drop one of them")
 

@@ -22,6 +22,7 @@ from common.config import ConfigError
 from common.errors import InvalidArgument
 from draft_worker.engine import DraftEngine
 from draft_worker.server import model_free_proposer
+from draft_worker.specs import is_model_free
 from coordinator.admission import Admission
 from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, HttpSettings, PoolSettings
 from coordinator.engine import GenerationEngine, check_pair
@@ -183,15 +184,9 @@ async def start_coordinator_server(
     return coordinator.server, coordinator.port
 
 
-async def serve(
-    settings: CoordinatorServerConfig,
-    options: ServerOptions,
-    config: CoordinatorConfig,
-    pools: PoolSettings | None = None,
-    http: HttpSettings | None = None,
-) -> None:
-    """Runs the coordinator until SIGTERM: waits for a target worker (and briefly a draft), checks the workers'
-    tokenizers, then serves. settings.target is required."""
+async def connect_workers(settings: CoordinatorServerConfig, pools: PoolSettings | None = None) -> "Workers":
+    """The configured workers once a target answers: the draft on draft workers, or run here (--local-draft, or
+    --model-free-draft-here when the draft workers' draft is model-free)."""
     workers = GrpcWorkers(settings.target, settings.draft, settings.worker_tls, pools, settings.worker_auth_token)
     if settings.local_draft:
         try:
@@ -203,7 +198,29 @@ async def serve(
     if workers.has_draft:
         # The draft gets a little longer than the target to come up; after that the coordinator starts without it.
         with contextlib.suppress(Exception):
-            await workers.draft_info(settings.draft_startup_timeout)
+            draft = await workers.draft_info(settings.draft_startup_timeout)
+            if settings.model_free_draft_here and is_model_free(draft.model_name):
+                workers = drafting_here(workers, draft.model_name)
+    return workers
+
+
+def drafting_here(workers: GrpcWorkers, spec: str) -> LocalDraftWorkers:
+    """The draft workers' model-free draft, run in this process with the workers' own spec: the same proposals
+    without an exchange with a draft worker each round. The draft workers are left unused."""
+    log.info("draft workers serve the model-free draft %s: running it in this process", spec)
+    return LocalDraftWorkers(workers, DraftEngine(model_free_proposer(spec), spec))
+
+
+async def serve(
+    settings: CoordinatorServerConfig,
+    options: ServerOptions,
+    config: CoordinatorConfig,
+    pools: PoolSettings | None = None,
+    http: HttpSettings | None = None,
+) -> None:
+    """Runs the coordinator until SIGTERM: waits for a target worker (and briefly a draft), checks the workers'
+    tokenizers, then serves. settings.target is required."""
+    workers = await connect_workers(settings, pools)
     engine = await build_engine(workers, config, settings.tokenizer)
     coordinator = await launch(engine, options, settings.max_concurrent_requests, settings.auth_token, settings.http_port, http)
     log.info(

@@ -14,14 +14,14 @@ from common.sampling import SamplingParams
 from coordinator.client import build_request
 from coordinator.config import CoordinatorConfig, CoordinatorServerConfig
 from coordinator.local_draft import INLINE_PROMPT_TOKENS, LocalDraftWorkers, open_local_draft
-from coordinator.server import build_engine, start_coordinator_server
+from coordinator.server import build_engine, connect_workers, start_coordinator_server
 from coordinator.worker_clients import GrpcWorkers
 from draft_worker.engine import DraftEngine
-from draft_worker.server import model_free_proposer
+from draft_worker.server import model_free_proposer, start_draft_server
 from specdec.v1 import generation_pb2_grpc, worker_pb2
 from target_worker.engine import TargetEngine
 from target_worker.server import start_target_server
-from tests.conftest import wait_until
+from tests.conftest import draft_engine_for, wait_until
 
 
 @contextlib.asynccontextmanager
@@ -141,3 +141,48 @@ def test_specdec_up_runs_a_model_free_draft_in_the_coordinator_unless_asked_for_
     with pytest.raises(Started):
         main(argv)
     assert [kwargs["local_draft"] for kwargs in built] == [local]
+
+
+@pytest.mark.parametrize("kind", ["ngram", 0.5])
+def test_a_model_free_draft_of_draft_workers_runs_in_the_coordinator_when_asked_and_a_model_draft_stays_there(
+    target_model, draft_models, kind
+):
+    """--model-free-draft-here: the draft workers' ngram runs in the coordinator (the worker opens no session, the
+    output is target-only's and drafts were made); a model draft is still proposed by the workers."""
+
+    async def run():
+        target_server, target_port = await start_target_server(TargetEngine(target_model))
+        draft_engine = draft_engine_for(draft_models, kind)
+        draft_server, draft_port = await start_draft_server(draft_engine)
+        settings = CoordinatorServerConfig(
+            target=[f"127.0.0.1:{target_port}"], draft=[f"127.0.0.1:{draft_port}"], model_free_draft_here=True
+        )
+        workers = await connect_workers(settings)
+        opened = []
+        draft_engine.begin_session = lambda *args, open=draft_engine.begin_session, **kwargs: (
+            opened.append(1) or open(*args, **kwargs)
+        )
+        try:
+            engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target_model.tokenizer)
+            server, port = await start_coordinator_server(engine)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                prompt = "The quick brown fox jumps over the lazy dog. The quick brown"
+                options = dict(max_new_tokens=40, temperature=0, ignore_eos=True)
+                reference = await stub.Generate(build_request(prompt, num_speculative_tokens=0, **options))
+                response = await stub.Generate(build_request(prompt, num_speculative_tokens=4, **options))
+            await server.stop(0)
+        finally:
+            await workers.close()
+            await asyncio.gather(target_server.stop(0), draft_server.stop(0))
+        assert list(response.token_ids) == list(reference.token_ids)
+        assert response.speculation.drafted_tokens > 0
+        return isinstance(workers, LocalDraftWorkers), len(opened)
+
+    here, worker_sessions = asyncio.run(run())
+    assert (here, worker_sessions > 0) == ((True, False) if kind == "ngram" else (False, True))
+
+
+def test_model_free_draft_here_takes_draft_workers():
+    with pytest.raises(ConfigError, match="--model-free-draft-here"):
+        CoordinatorServerConfig(target=["t:1"], model_free_draft_here=True)
