@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-import coordinator.engine
+import coordinator.request_run
 from common.errors import InvalidArgument
-from coordinator.engine import RequestWorkers
+from coordinator.request_workers import RequestWorkers
 from coordinator.gamma_policy import FixedPolicy
 from target_worker.engine import TargetEngine
 from tests.conftest import draft_engine_for, running_services, wait_async
@@ -46,14 +46,14 @@ def spy_on_openings(draft) -> list[int]:
 
 def with_policy(monkeypatch, after: int | None) -> None:
     """Auto requests get DraftsAfter(after) (None: a policy that never drafts) in place of the cost model."""
-    original = coordinator.engine.gamma_policy_for
+    original = coordinator.request_run.gamma_policy_for
 
     def policy_for(engine, params, overhead=None):
         if params.num_speculative_tokens != AUTO:
             return original(engine, params, overhead)
         return FixedPolicy(0) if after is None else DraftsAfter(3, after=after)
 
-    monkeypatch.setattr(coordinator.engine, "gamma_policy_for", policy_for)
+    monkeypatch.setattr(coordinator.request_run, "gamma_policy_for", policy_for)
 
 
 def test_a_model_draft_the_policy_never_wants_is_never_opened(target_model, draft_models, monkeypatch):

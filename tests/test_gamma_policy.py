@@ -11,7 +11,7 @@ from common.sampling import SamplingParams
 from coordinator.config import CoordinatorConfig
 from coordinator.round import DraftSync
 from coordinator.types import GenerationParams
-from coordinator.engine import gamma_policy_for
+from coordinator.request_policy import gamma_policy_for
 from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, MeasuredSpeed
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
