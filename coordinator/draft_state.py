@@ -1,16 +1,18 @@
 """Where one request's draft session stands, as one small state machine.
 
-    none ──defer──> deferred ──begin_opening──> opening ──opened──> open <──opened── failed
-      │                                            │                  │                ^
-      └──────────────────opened───────────────> open                 └──────lose──────┘
-                                              opening ──give_up──> none
+    none      --opened-->         open      opened with the target's session, as the request starts
+    none      --defer-->          deferred  a model draft whose use the cost model decides (defers_draft)
+    deferred  --begin_opening-->  opening   the gamma policy first wants to draft: it opens in the background
+    opening   --opened-->         open      the opening finished; the next round adopts it
+    opening   --give_up-->        none      it failed to open: no draft for the rest of the request
+    open      --lose-->           failed    a step failed or missed its deadline
+    failed    --reopening-->      failed    one more try at a new session (reopens counts them)
+    failed    --opened-->         open      reopened on a healthy draft worker
 
 none: no draft for this request (none wanted, or it could not open): its rounds run target-only to the end.
-deferred: a model draft whose opening waits until the gamma policy first wants to draft (RequestWorkers.defers_draft).
-opening: that opening, running in the background while target-only rounds commit tokens it must then hear of.
-open: the session drafts.
-failed: the session failed mid-request; it is reopened on a healthy draft worker while tries are left (reopens).
-The request speculates in every phase but none: a failed draft may come back, a deferred one may open.
+deferred, opening: rounds run target-only while the draft waits to open, then while it opens (it hears of the tokens
+committed meanwhile with its first step). open: the session drafts. failed: rounds run target-only, and each tries
+to reopen a session while tries are left. The request speculates in every phase but none.
 """
 
 import asyncio

@@ -19,12 +19,13 @@ from common.tokenizer import Tokenizer
 from common.validation import check_prompt, check_token_ids
 from coordinator.config import CoordinatorConfig
 from coordinator.gamma_policy import MeasuredSpeed
+from coordinator.gamma_policy_factory import PolicyFactory, gamma_policy_for
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_run import RequestRun
+from coordinator.request_tracing import request_attributes
 from coordinator.types import GenerationParams, GenerationResult
 from coordinator.workers import IncompatibleWorkers, WorkerInfo, Workers
 
-PROVIDER = "specdec"
 log = logging.getLogger("specdec.coordinator")
 
 
@@ -44,7 +45,13 @@ def check_pair(target: WorkerInfo, draft: WorkerInfo | None, tokenizer_fingerpri
 
 class GenerationEngine:
     def __init__(
-        self, workers: Workers, tokenizer: Tokenizer, target: WorkerInfo, draft: WorkerInfo | None, config: CoordinatorConfig
+        self,
+        workers: Workers,
+        tokenizer: Tokenizer,
+        target: WorkerInfo,
+        draft: WorkerInfo | None,
+        config: CoordinatorConfig,
+        policy_for: PolicyFactory = gamma_policy_for,
     ):
         self.workers = workers
         self.tokenizer = tokenizer
@@ -54,6 +61,7 @@ class GenerationEngine:
         self.config = config
         self.metrics = CoordinatorMetrics(workers.status)
         self.measured_speed = MeasuredSpeed()
+        self.policy_for = policy_for  # each request's gamma policy
         self.running = 0  # requests in progress
         self.server_address, self.server_port = "localhost", 0  # where clients reach it: set by listening_on
 
@@ -80,26 +88,6 @@ class GenerationEngine:
                 f"{prompt} prompt tokens + {params.max_new_tokens} new tokens exceed the context of {limit}; "
                 f"ask for at most {limit - prompt}",
             )
-
-    def root_attributes(self, params: GenerationParams) -> dict:
-        sampling = params.sampling
-        attributes = {
-            "gen_ai.operation.name": params.operation,
-            "gen_ai.provider.name": PROVIDER,
-            "gen_ai.request.model": self.target.model_name,
-            "gen_ai.request.temperature": sampling.temperature,
-            "gen_ai.request.top_p": sampling.top_p,
-            "gen_ai.request.top_k": sampling.top_k,
-            "gen_ai.request.max_tokens": params.max_new_tokens,
-            "gen_ai.usage.input_tokens": len(params.prompt_token_ids),
-            "server.address": self.server_address,
-            "server.port": self.server_port,
-            "specdec.draft.model": self.draft.model_name if self.draft else "",
-            "specdec.gamma": params.num_speculative_tokens,
-        }
-        if sampling.seed is not None:
-            attributes["gen_ai.request.seed"] = sampling.seed
-        return attributes
 
     async def connect_draft(self) -> bool:
         """True when a draft worker can be used now: known, compatible, and not backing off after a failure."""
@@ -141,7 +129,7 @@ class GenerationEngine:
             f"{params.operation} {self.target.model_name}",
             context=parent,
             kind=kind,
-            attributes=self.root_attributes(params),
+            attributes=request_attributes(params, self.target, self.draft, self.server_address, self.server_port),
         )
         run = RequestRun(self, params, root, started, time_limit)
         self.running += 1

@@ -15,10 +15,8 @@ from opentelemetry import trace
 
 from common.telemetry import tracer
 from common.timing import elapsed_us
-from coordinator.finish_reasons import FINISH_REASON_NAMES
 from coordinator.output import Delta, OutputTracker
-from coordinator.request_policy import gamma_policy_for
-from coordinator.request_tracing import child_span, phases_under, span_context
+from coordinator.request_tracing import child_span, finished_attributes, phases_under, span_context
 from coordinator.request_workers import RequestWorkers
 from coordinator.round import DraftSync, RoundResult, handling, raise_if_cancelled, round_stats, speculation_round, truncated
 from coordinator.types import GenerationParams, GenerationResult, RoundStats, TimeSplit
@@ -120,7 +118,7 @@ class RequestRun:
         with child_span("prefill", self.root_context) as parent:
             await self.workers.open(parent)
         self.totals.prefill_us = elapsed_us(self.opened)
-        self.policy = gamma_policy_for(self.engine, self.params, self.workers.target.opening_overhead_us / 1e3)
+        self.policy = self.engine.policy_for(self.engine, self.params, self.workers.target.opening_overhead_us / 1e3)
         self.overlap = self.params.overlap and self.speculating
         # With overlap a model draft drafts only behind verification: after a discarded pre-draft the target
         # verifies the pending token alone while the draft pre-drafts again (a model-free draft costs nothing
@@ -169,7 +167,7 @@ class RequestRun:
         """Takes in a round's result: what the policy learns, the tokens committed; returns what to stream (None
         when the round made no output visible yet, e.g. while a possible stop string is held back)."""
         self.ready = result.ready
-        learn(self.policy, result)
+        self.policy.learn(result)
         delta = self.output.add(result.committed)
         if self.params.logprobs is not None:
             # Aligned with the committed tokens; the output may have cut them at a stop.
@@ -203,7 +201,7 @@ class RequestRun:
         self.totals.total_us = elapsed_us(self.started, finished)
         self.totals.coordinator_us += elapsed_us(self.started, self.opened)
         result = self.result()
-        self.root.set_attributes(self.result_attributes(result))
+        self.root.set_attributes(finished_attributes(result, self.engine.target.model_name, self.workers.reopened))
         self.engine.metrics.record_request(
             self.params, result, self.engine.target.model_name, self.first_token_at, self.started, finished
         )
@@ -225,35 +223,6 @@ class RequestRun:
             logprobs=self.logprobs,
             prompt_logprobs=self.workers.prompt_logprobs,
         )
-
-    def result_attributes(self, result: GenerationResult) -> dict:
-        """The root span's attributes of the finished request."""
-        return {
-            "gen_ai.usage.output_tokens": len(result.token_ids),
-            "specdec.cached_prompt_tokens": result.cached_prompt_tokens,
-            "gen_ai.response.finish_reasons": [FINISH_REASON_NAMES.get(result.finish_reason, "unknown")],
-            "gen_ai.response.model": self.engine.target.model_name,
-            "specdec.rounds": len(self.rounds),
-            "specdec.drafted_tokens": result.drafted_tokens,
-            "specdec.accepted_tokens": result.accepted_tokens,
-            "specdec.overlapped_rounds": result.overlapped_rounds,
-            "specdec.target.reopened_sessions": self.workers.reopened,
-            **self.totals.attributes("specdec.time"),
-        }
-
-
-def learn(policy, result: RoundResult) -> None:
-    """What the gamma policy learns from a round: the draft's speed, acceptance, and the target's batch."""
-    verdict = result.verdict
-    if result.exposed is not None:
-        policy.observe_draft(len(result.exposed.token_ids), result.exposed.compute_us, result.exposed.batch_size)
-    policy.observe(
-        result.drafted, verdict.num_accepted, result.drafted + 1, verdict.compute_us, verdict.batch_size, verdict.batch_tokens
-    )
-    if result.pre is not None:
-        policy.observe_draft(len(result.pre.token_ids) + 1, result.pre.compute_us, result.pre.batch_size)
-    if result.proposal is not None and result.proposal.confidence:
-        policy.observe_confidence(result.proposal.confidence, verdict.num_accepted)
 
 
 def exchange_costs(result: RoundResult, stats: RoundStats) -> tuple[int, int | None]:

@@ -16,12 +16,13 @@ from common.errors import Unavailable
 from common.rounds import Proposal
 from common.sampling import SamplingParams, stream_seed
 from coordinator.output import OutputTracker
-from coordinator.request_policy import timings_choose_gamma
+from coordinator.gamma_policy_factory import defers_draft
 from coordinator.request_tracing import span_context
 from coordinator.round import RoundWorkers
 from coordinator.types import GenerationParams
+from coordinator.config import CoordinatorConfig
 from coordinator.draft_state import DraftPhase, DraftState
-from coordinator.workers import TargetSession
+from coordinator.workers import TargetSession, WorkerInfo
 
 if TYPE_CHECKING:
     from coordinator.engine import GenerationEngine
@@ -43,6 +44,26 @@ def prefill_allowance(forward_costs: list[tuple[int, float]], tokens: int) -> fl
         return 0.0
     counted, milliseconds = max(forward_costs)
     return PREFILL_SLACK * tokens * milliseconds / counted / 1000
+
+
+def target_opening_window(
+    config: CoordinatorConfig, forward_costs: list[tuple[int, float]], tokens: int, deadline: float | None
+) -> tuple[float, float]:
+    """How long one try at opening a target session on `tokens` may take, and until when (time.monotonic()) it is
+    retried. A long prompt's prefill (in chunks, between the other sessions' rounds) may take far longer than a
+    round: the opening gets the round deadline plus what the worker's measured cost says the prefill needs."""
+    prefill = prefill_allowance(forward_costs, tokens)
+    until = time.monotonic() + config.target_retry_window + prefill
+    if deadline is not None:
+        # Answer UNAVAILABLE a moment before the caller's own deadline, so it learns what failed.
+        until = min(until, deadline - DEADLINE_MARGIN)
+    return config.target_timeout + prefill, until
+
+
+def draft_open_timeout(config: CoordinatorConfig, draft: WorkerInfo | None, tokens: int) -> float:
+    """The draft's round deadline, plus what its measured cost says a prefill of `tokens` needs (a model draft
+    prefills a long prompt in chunks; one slower than a round is not a failed worker)."""
+    return config.draft_timeout + prefill_allowance(draft.forward_costs if draft else [], tokens)
 
 
 def derived_seed(seed: int | None, generation: int, stream: str = "reopen") -> int | None:
@@ -124,14 +145,8 @@ class RequestWorkers(RoundWorkers):
     ) -> None:
         """(Re)opens the target session on prompt + committed tokens, retrying with backoff within the time limit.
         like: the failed session it replaces (the new one runs the same model with the same numerics)."""
-        # A long prompt's prefill (in chunks, between the other sessions' rounds) may take far longer than a round:
-        # the opening gets the round deadline plus what the worker's measured cost says the prefill needs.
-        prefill = prefill_allowance(self.engine.target.forward_costs, len(self.params.prompt_token_ids) + len(committed))
-        open_timeout = self.config.target_timeout + prefill
-        until = time.monotonic() + self.config.target_retry_window + prefill
-        if self.deadline is not None:
-            # Answer UNAVAILABLE a moment before the caller's own deadline, so it learns what failed.
-            until = min(until, self.deadline - DEADLINE_MARGIN)
+        tokens = len(self.params.prompt_token_ids) + len(committed)
+        open_timeout, until = target_opening_window(self.config, self.engine.target.forward_costs, tokens, self.deadline)
         delay, attempts, last_error = 0.1, 0, first_error
         while True:
             sampling = session_sampling(
@@ -173,7 +188,7 @@ class RequestWorkers(RoundWorkers):
         use_draft = wants_draft and await self.engine.connect_draft()
         if wants_draft and not use_draft:
             self.fall_back("draft_unavailable" if self.engine.workers.has_draft else "no_draft_worker")
-        if use_draft and self.defers_draft():
+        if use_draft and defers_draft(self.engine.draft, self.params):
             self.draft.defer()
             use_draft = False
         draft_opening = None
@@ -194,18 +209,6 @@ class RequestWorkers(RoundWorkers):
                 raise
             except Exception as error:  # noqa: BLE001 - a draft that cannot open only costs speed
                 self.fall_back("draft_open_failed", error)
-
-    def defers_draft(self) -> bool:
-        """Whether the draft session opens only once the gamma policy first wants to draft, in the background, the
-        rounds running target-only until it is open: for a model draft (opening it prefills the prompt on the
-        draft worker) whose use the cost model decides. Opened with the target's, a model that the cost model
-        prices out (on a CPU, a draft costing half a target step) still cost every request its prefill: awaited
-        before the first round, and on cores shared with the target beside the target's own work (measured on the
-        Qwen 1.5B's editing loop with the 0.5B `#int8` as its draft: 1.0-1.4 s of the draft's prefill in each
-        request's opening against 0.3-0.7 s for the target's, and 0.79x target-only over the workload with two
-        tokens drafted in all). Not with overlap, whose pre-drafts begin with the first round."""
-        draft = self.engine.draft
-        return bool(draft and draft.forward_costs) and timings_choose_gamma(self.params) and not self.params.overlap
 
     def begin_deferred_draft(self) -> None:
         """Starts opening the deferred draft session on the prompt and the tokens committed so far (once)."""
@@ -238,10 +241,7 @@ class RequestWorkers(RoundWorkers):
         return self.committed[self.draft.opened_on :]
 
     def draft_open_timeout(self, committed: list[int]) -> float:
-        """The draft's round deadline, plus what its measured cost says the prompt's prefill needs (a model draft
-        prefills a long prompt in chunks; one slower than a round is not a failed worker)."""
-        costs = self.engine.draft.forward_costs if self.engine.draft else []
-        return self.config.draft_timeout + prefill_allowance(costs, len(self.params.prompt_token_ids) + len(committed))
+        return draft_open_timeout(self.config, self.engine.draft, len(self.params.prompt_token_ids) + len(committed))
 
     def opening_draft(self, committed: list[int], sampling, parent: Context):
         """Opens a draft session on the prompt and the committed tokens; each draft worker tried gets
