@@ -44,6 +44,10 @@ def check_pair(target: WorkerInfo, draft: WorkerInfo | None, tokenizer_fingerpri
 
 
 class GenerationEngine:
+    """A coordinator's deployment: its workers and their models, its settings, what its requests measured
+    (measured_speed, shared by them) and how each request's gamma policy is built (policy_for). Each request runs as
+    a RequestRun."""
+
     def __init__(
         self,
         workers: Workers,

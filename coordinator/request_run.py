@@ -126,8 +126,9 @@ class RequestRun:
         self.behind_only = self.overlap and bool(self.engine.draft and self.engine.draft.forward_costs)
 
     async def prepare_round(self) -> int:
-        """Readies the next round: a new draft session where the draft failed, the proposal drafted last round cut
-        to the room left; returns how many tokens to draft up front (0: none, or `ready` is the proposal)."""
+        """Readies the next round: a new draft session where the draft failed or its deferred opening finished, the
+        proposal drafted last round cut to the room left; returns how many tokens to draft up front (0: none, or
+        `ready` is the proposal)."""
         unheard = await self.workers.resume_draft()
         if unheard is not None:  # a new draft session: it hears of what it missed with its first step
             self.sync, self.ready = DraftSync(), None

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import pytest
 
 from common.errors import InvalidArgument
-from coordinator.request_workers import RequestWorkers
 from coordinator.gamma_policy import FixedPolicy
 from coordinator.gamma_policy_factory import gamma_policy_for
 from target_worker.engine import TargetEngine
@@ -72,19 +71,20 @@ def test_a_model_draft_the_policy_never_wants_is_never_opened(target_model, draf
     asyncio.run(run())
 
 
-def spy_on_adoptions(monkeypatch) -> list[int]:
-    """How many committed tokens each adopted deferred draft had not heard of (those of the rounds that ran while it
-    opened)."""
-    unheard, take = [], RequestWorkers.take_opened_draft
+def spy_on_first_steps(draft) -> list[int]:
+    """How many committed tokens each draft session's first step brought it: for an adopted deferred draft, those of
+    the rounds that ran while it opened (what it had not heard of)."""
+    heard, seen, step_batch = [], set(), draft.step_batch
 
-    def recording(self):
-        tokens = take(self)
-        if tokens is not None:
-            unheard.append(len(tokens))
-        return tokens
+    def recording(calls):
+        for call in calls:
+            if call.handle.session_id not in seen:
+                seen.add(call.handle.session_id)
+                heard.append(len(call.committed))
+        return step_batch(calls)
 
-    monkeypatch.setattr(RequestWorkers, "take_opened_draft", recording)
-    return unheard
+    draft.step_batch = recording
+    return heard
 
 
 def slowed_prefill(draft, seconds: float) -> None:
@@ -98,9 +98,7 @@ def slowed_prefill(draft, seconds: float) -> None:
 
 
 @pytest.mark.parametrize("after", [0, 5], ids=["first round", "sixth round"])
-def test_a_deferred_draft_opens_on_the_committed_tokens_and_keeps_the_output_target_only(
-    target_model, draft_models, monkeypatch, after
-):
+def test_a_deferred_draft_opens_on_the_committed_tokens_and_keeps_the_output_target_only(target_model, draft_models, after):
     async def run():
         draft = draft_engine_for(draft_models, 0.0)
         openings = spy_on_openings(draft)
@@ -108,12 +106,11 @@ def test_a_deferred_draft_opens_on_the_committed_tokens_and_keeps_the_output_tar
             for prompt in PROMPTS:
                 reference, _ = await generate_ids(services.stub, prompt, gamma=0, max_new_tokens=160)
                 await generate_ids(services.stub, prompt, gamma=2, max_new_tokens=4)  # opens on the prompt alone
-                unheard = spy_on_adoptions(monkeypatch)
+                unheard = spy_on_first_steps(draft)
                 # The opening takes long enough for target-only rounds to commit tokens it must then hear of.
                 slowed_prefill(draft, 0.05)
                 ids, stats = await generate_ids(services.stub, prompt, gamma=AUTO, max_new_tokens=160)
-                monkeypatch.undo()
-                del draft.prefill_chunk  # the engine's own method again
+                del draft.prefill_chunk, draft.step_batch  # the engine's own methods again
                 assert ids == reference
                 # It speculated, with the identical draft: every drafted token accepted, so the draft's cache held
                 # the prompt, the tokens it opened on and those committed while it opened, in order.
