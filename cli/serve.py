@@ -85,7 +85,7 @@ def serve_role(args: argparse.Namespace, options: ServerOptions) -> int:
         limit_compute(config.threads, config.cpus)
         asyncio.run(serve(config, options))
     else:
-        from coordinator.engine import IncompatibleWorkers
+        from coordinator.workers import IncompatibleWorkers
         from coordinator.server import serve
 
         settings = from_arguments(args, CoordinatorServerConfig)

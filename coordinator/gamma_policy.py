@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from common.acceptance import ConfidenceCalibration, DecayedRate, expected_tokens
 from common.cost_curve import cheapest_rows, cost_at
 from common.rounds import Proposal
+from coordinator.round import RoundResult
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
@@ -180,29 +181,107 @@ class MeasuredSpeed:
         self.draft_traits = DraftTraits()
 
 
+class GammaPolicy:
+    """How a session chooses gamma: ask (tokens to draft up front), trim (how many of a proposal's tokens to
+    verify), choose (overlap's pre-drafts, behind a verification), and what it learns from each round. This base
+    learns nothing; its policies take in what they use of a round through the observe hooks."""
+
+    def choose(self, limit: int, hidden_behind: int = 0) -> int:
+        raise NotImplementedError
+
+    def ask(self, limit: int) -> int:
+        return self.choose(limit)
+
+    def trim(self, proposal: Proposal) -> int:
+        return len(proposal.token_ids)
+
+    def learn(self, result: RoundResult) -> None:
+        """What a round teaches: the draft's speed, acceptance, and the target's batch."""
+        verdict = result.verdict
+        if result.exposed is not None:
+            self.observe_draft(len(result.exposed.token_ids), result.exposed.compute_us, result.exposed.batch_size)
+        self.observe(
+            result.drafted,
+            verdict.num_accepted,
+            result.drafted + 1,
+            verdict.compute_us,
+            verdict.batch_size,
+            verdict.batch_tokens,
+        )
+        if result.pre is not None:
+            self.observe_draft(len(result.pre.token_ids) + 1, result.pre.compute_us, result.pre.batch_size)
+        if result.proposal is not None and result.proposal.confidence:
+            self.observe_confidence(result.proposal.confidence, verdict.num_accepted)
+
+    def observe(
+        self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int
+    ) -> None:
+        pass
+
+    def observe_draft(self, drafted: int, compute_us: int, batch_size: int = 1) -> None:
+        pass
+
+    def observe_confidence(self, confidence: list[float], accepted: int) -> None:
+        pass
+
+    def observe_overhead(self, overhead_us: int, draft_exchange_us: int | None = None) -> None:
+        """overhead_us: what every round pays beyond the target's work; draft_exchange_us: what this round's
+        draft exchange cost beyond drafting (None: the round did not ask the draft)."""
+
+
 @dataclass
-class CostModelPolicy:
-    """Chooses gamma from the acceptance estimate and both workers' cost curves (see the module's docstring)."""
+class CostModelPolicy(GammaPolicy):
+    """Chooses gamma from the acceptance estimate and both workers' cost curves (see the module's docstring).
+
+    speed: the coordinator's (shared by its requests): the scales it reads and feeds, the deployment's acceptance
+    and round overhead it feeds, the draft's exchange, calibration and traits. Read through it on every use, so that
+    a new draft worker (MeasuredSpeed.forget_draft) is what the requests in flight learn about too.
+    """
 
     target_costs: list[tuple[int, float]]
     draft_costs: list[tuple[int, float]]  # empty: a model-free draft (prompt lookup), free to ask
     max_gamma: int
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    target_scale: Scale = field(default_factory=Scale)
-    row_scales: dict[int, Scale] = field(default_factory=dict)  # by padded row count
-    draft_scale: Scale = field(default_factory=Scale)
-    shared_acceptance: AcceptanceEstimate | None = None  # the deployment's (MeasuredSpeed.acceptance), fed too
+    speed: MeasuredSpeed = field(default_factory=MeasuredSpeed)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # this session's
     overhead_ms: float | None = None  # per round: the target's exchange beyond its work, and the coordinator's
-    shared_overhead: RunningMean | None = None  # the deployment's (MeasuredSpeed.round_overhead), fed too
-    draft_exchange: RunningMean = field(default_factory=RunningMean)  # per drafting round (MeasuredSpeed's)
     other_sessions: int = 0  # sessions batched with this one in the target's last forward pass
     peers: Callable[[], int] = lambda: 0  # requests of this coordinator running beside this one, now
-    calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)  # MeasuredSpeed's
-    draft_traits: DraftTraits = field(default_factory=DraftTraits)  # MeasuredSpeed's
 
     # The curve's look-ups by token count, computed once per count: choose() asks for every gamma every round.
     rows_for: dict[int, int] = field(default_factory=dict, repr=False)
     cost_of: dict[int, float] = field(default_factory=dict, repr=False)
+
+    @property
+    def target_scale(self) -> Scale:
+        return self.speed.target_scale
+
+    @property
+    def row_scales(self) -> dict[int, Scale]:  # by padded row count
+        return self.speed.row_scales
+
+    @property
+    def draft_scale(self) -> Scale:
+        return self.speed.draft_scale
+
+    @property
+    def shared_acceptance(self) -> AcceptanceEstimate:
+        return self.speed.acceptance
+
+    @property
+    def shared_overhead(self) -> RunningMean:
+        return self.speed.round_overhead
+
+    @property
+    def draft_exchange(self) -> RunningMean:  # per drafting round
+        return self.speed.draft_exchange
+
+    @property
+    def calibration(self) -> ConfidenceCalibration:
+        return self.speed.calibration
+
+    @property
+    def draft_traits(self) -> DraftTraits:
+        return self.speed.draft_traits
 
     def target_rows(self, tokens: int) -> int:
         rows = self.rows_for.get(tokens)
@@ -313,8 +392,7 @@ class CostModelPolicy:
     ) -> None:
         """Learns from a finished round: acceptance, the target's speed, and the load of its batch."""
         self.acceptance.observe(drafted, accepted)
-        if self.shared_acceptance is not None:
-            self.shared_acceptance.observe(drafted, accepted)
+        self.shared_acceptance.observe(drafted, accepted)
         self.other_sessions = max(0, batch_size - 1)
         rows = self.target_rows(max(batch_tokens, verified_tokens))
         predicted = self.target_ms(rows)
@@ -332,44 +410,21 @@ class CostModelPolicy:
             self.draft_scale.update(compute_us / 1e3, drafted * cost_at(self.draft_costs, 1), 1 / max(batch_size, 1))
 
     def observe_overhead(self, overhead_us: int, draft_exchange_us: int | None = None) -> None:
-        """overhead_us: what every round pays beyond the target's work; draft_exchange_us: what this round's
-        draft exchange cost beyond drafting (None: the round did not ask the draft)."""
         ms = overhead_us / 1e3
         self.overhead_ms = decayed_mean(self.overhead_ms, ms)
-        if self.shared_overhead is not None:
-            self.shared_overhead.update(ms, 1 / (1 + self.other_sessions))
+        self.shared_overhead.update(ms, 1 / (1 + self.other_sessions))
         if draft_exchange_us is not None:
             self.draft_exchange.update(draft_exchange_us / 1e3)
 
 
 @dataclass
-class FixedPolicy:
+class FixedPolicy(GammaPolicy):
     """The same gamma every round; learns nothing."""
 
     gamma: int
 
     def choose(self, limit: int, hidden_behind: int = 0) -> int:
         return min(self.gamma, limit)
-
-    def ask(self, limit: int) -> int:
-        return self.choose(limit)
-
-    def trim(self, proposal: Proposal) -> int:
-        return len(proposal.token_ids)
-
-    def observe_confidence(self, confidence: list[float], accepted: int) -> None:
-        pass
-
-    def observe(
-        self, drafted: int, accepted: int, verified_tokens: int, verify_us: int, batch_size: int, batch_tokens: int
-    ) -> None:
-        pass
-
-    def observe_draft(self, drafted: int, compute_us: int, batch_size: int = 1) -> None:
-        pass
-
-    def observe_overhead(self, overhead_us: int, draft_exchange_us: int | None = None) -> None:
-        pass
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One speculation round (docs/design/round.md): draft, verify in one target pass, and keep the draft in step.
 
 speculation_round is the whole round; it does no tracing, metrics or gamma policy (the request loop in
-coordinator.engine feeds its RoundResult to those), and no failure handling (the RoundWorkers it is given turn a
+coordinator.request_run feeds its RoundResult to those), and no failure handling (the RoundWorkers it is given turn a
 failing draft into "no proposal" and reopen a failed target session).
 """
 

@@ -26,6 +26,7 @@ from draft_worker.specs import is_model_free
 from coordinator.admission import Admission
 from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, HttpSettings, PoolSettings
 from coordinator.engine import GenerationEngine, check_pair
+from coordinator.gamma_policy_factory import PolicyFactory, gamma_policy_for
 from coordinator.pool_status import status_of
 from coordinator.requests import params_of, response_of, stream_message_of
 from coordinator.local_draft import LocalDraftWorkers
@@ -90,11 +91,17 @@ def default_gamma_for(has_draft: bool) -> int:
 
 
 async def build_engine(
-    workers: Workers, config: CoordinatorConfig, tokenizer_spec: str | None = None, tokenizer=None, draft_timeout: float = 10.0
+    workers: Workers,
+    config: CoordinatorConfig,
+    tokenizer_spec: str | None = None,
+    tokenizer=None,
+    draft_timeout: float = 10.0,
+    policy_for: PolicyFactory = gamma_policy_for,
 ) -> GenerationEngine:
     """Reads the workers' info, loads the target's tokenizer and refuses workers that do not share it.
 
     A target must answer; a draft worker that does not is connected later, by the first requests after it is up.
+    policy_for: each request's gamma policy (the engine's seam for a policy of one's own).
     """
     if tokenizer is None and tokenizer_spec:
         tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_spec)
@@ -113,7 +120,7 @@ async def build_engine(
             log.warning("draft worker not reachable at start-up (%s); serving target-only until it is", error)
     if config.default_num_speculative_tokens is None:  # the caller's config stays as given
         config = replace(config, default_num_speculative_tokens=default_gamma_for(workers.has_draft))
-    return GenerationEngine(workers, tokenizer, target, draft, config)
+    return GenerationEngine(workers, tokenizer, target, draft, config, policy_for)
 
 
 def advertised_host(host: str) -> str:

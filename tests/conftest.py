@@ -14,6 +14,7 @@ import pytest
 
 from common.models import load_model
 from coordinator.config import CoordinatorConfig
+from coordinator.gamma_policy_factory import gamma_policy_for
 from coordinator.server import build_engine, start_coordinator_server
 from coordinator.worker_clients import GrpcWorkers
 from draft_worker.engine import DraftEngine
@@ -76,8 +77,11 @@ class Services:
 
 
 @contextlib.asynccontextmanager
-async def running_services(target: TargetEngine, draft: DraftEngine | None, config: CoordinatorConfig | None = None):
-    """The three gRPC services on loopback ports, in this event loop, over already-loaded engines."""
+async def running_services(
+    target: TargetEngine, draft: DraftEngine | None, config: CoordinatorConfig | None = None, policy_for=gamma_policy_for
+):
+    """The three gRPC services on loopback ports, in this event loop, over already-loaded engines (policy_for: the
+    requests' gamma policies, see GenerationEngine)."""
     target_server, target_port = await start_target_server(target)
     servers = [target_server]
     draft_address = None
@@ -86,7 +90,7 @@ async def running_services(target: TargetEngine, draft: DraftEngine | None, conf
         servers.append(draft_server)
         draft_address = f"127.0.0.1:{draft_port}"
     workers = GrpcWorkers(f"127.0.0.1:{target_port}", draft_address)
-    engine = await build_engine(workers, config or CoordinatorConfig(), tokenizer=target.loaded.tokenizer)
+    engine = await build_engine(workers, config or CoordinatorConfig(), tokenizer=target.loaded.tokenizer, policy_for=policy_for)
     coordinator_server, coordinator_port = await start_coordinator_server(engine)
     servers.append(coordinator_server)
     address = f"127.0.0.1:{coordinator_port}"

@@ -91,7 +91,7 @@ def test_a_long_prompts_opening_gets_the_time_its_prefill_needs_beyond_a_rounds_
     # Measured on this CPU: SmolLM2's 4,000-token prompt took 80 s to prefill; the opening had the round deadline
     # (60 s) and the retry window (30 s) and was refused UNAVAILABLE. Now it gets PREFILL_SLACK times what the
     # worker's own curve says those tokens cost (here 5 ms a token at its largest count).
-    from coordinator.engine import PREFILL_SLACK, prefill_allowance
+    from coordinator.request_workers import PREFILL_SLACK, prefill_allowance
 
     curve = [(1, 20.0), (16, 100.0), (64, 320.0)]
     assert prefill_allowance(curve, 4000) == PREFILL_SLACK * 4000 * 0.005

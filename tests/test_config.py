@@ -189,11 +189,11 @@ def test_common_imports_no_service():
 
 
 def test_eos_is_named_stop_by_the_engine_and_the_client():
-    from coordinator import engine, finish_reasons
+    from coordinator import finish_reasons, request_tracing
     from coordinator.client import response_to_dict
 
     eos = generation_pb2.FINISH_REASON_EOS
-    assert finish_reasons.FINISH_REASON_NAMES[eos] == "stop" and engine.FINISH_REASON_NAMES[eos] == "stop"
+    assert finish_reasons.FINISH_REASON_NAMES[eos] == "stop" and request_tracing.FINISH_REASON_NAMES[eos] == "stop"
     assert response_to_dict(generation_pb2.GenerateResponse(finish_reason=eos))["finish_reason"] == "stop"
     for reason, name in finish_reasons.FINISH_REASON_NAMES.items():
         assert response_to_dict(generation_pb2.GenerateResponse(finish_reason=reason))["finish_reason"] == name

@@ -1,5 +1,5 @@
 """A model draft whose use the cost model decides opens only when the policy first wants to draft, in the background
-(RequestWorkers.defers_draft): a request that never drafts costs the draft worker nothing, and one that starts
+(gamma_policy_factory.defers_draft): a request that never drafts costs the draft worker nothing, and one that starts
 drafting later runs target-only until the draft session, prefilled with the prompt and every token committed so
 far, is open, with output identical to target-only's."""
 
@@ -9,10 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-import coordinator.engine
 from common.errors import InvalidArgument
-from coordinator.engine import RequestWorkers
 from coordinator.gamma_policy import FixedPolicy
+from coordinator.gamma_policy_factory import gamma_policy_for
 from target_worker.engine import TargetEngine
 from tests.conftest import draft_engine_for, running_services, wait_async
 from tests.test_greedy_equivalence import PROMPTS, generate_ids
@@ -44,25 +43,24 @@ def spy_on_openings(draft) -> list[int]:
     return lengths
 
 
-def with_policy(monkeypatch, after: int | None) -> None:
-    """Auto requests get DraftsAfter(after) (None: a policy that never drafts) in place of the cost model."""
-    original = coordinator.engine.gamma_policy_for
+@dataclass
+class ScriptedPolicies:
+    """The engine's policy factory (its policy_for): auto requests get DraftsAfter(after) (None: a policy that never
+    drafts) in place of the cost model; every other request the deployment's own policy."""
 
-    def policy_for(engine, params, overhead=None):
+    after: int | None = None
+
+    def __call__(self, engine, params, overhead=None):
         if params.num_speculative_tokens != AUTO:
-            return original(engine, params, overhead)
-        return FixedPolicy(0) if after is None else DraftsAfter(3, after=after)
-
-    monkeypatch.setattr(coordinator.engine, "gamma_policy_for", policy_for)
+            return gamma_policy_for(engine, params, overhead)
+        return FixedPolicy(0) if self.after is None else DraftsAfter(3, after=self.after)
 
 
-def test_a_model_draft_the_policy_never_wants_is_never_opened(target_model, draft_models, monkeypatch):
-    with_policy(monkeypatch, None)
-
+def test_a_model_draft_the_policy_never_wants_is_never_opened(target_model, draft_models):
     async def run():
         draft = draft_engine_for(draft_models, 0.0)
         openings = spy_on_openings(draft)
-        async with running_services(TargetEngine(target_model), draft) as services:
+        async with running_services(TargetEngine(target_model), draft, policy_for=ScriptedPolicies(None)) as services:
             ids, stats = await generate_ids(services.stub, PROMPTS[0], gamma=AUTO, max_new_tokens=16)
             assert len(ids) == 16 and stats.drafted_tokens == 0 and not stats.fallback_reason
             assert openings == []
@@ -73,19 +71,20 @@ def test_a_model_draft_the_policy_never_wants_is_never_opened(target_model, draf
     asyncio.run(run())
 
 
-def spy_on_adoptions(monkeypatch) -> list[int]:
-    """How many committed tokens each adopted deferred draft had not heard of (those of the rounds that ran while it
-    opened)."""
-    unheard, take = [], RequestWorkers.take_opened_draft
+def spy_on_first_steps(draft) -> list[int]:
+    """How many committed tokens each draft session's first step brought it: for an adopted deferred draft, those of
+    the rounds that ran while it opened (what it had not heard of)."""
+    heard, seen, step_batch = [], set(), draft.step_batch
 
-    def recording(self):
-        tokens = take(self)
-        if tokens is not None:
-            unheard.append(len(tokens))
-        return tokens
+    def recording(calls):
+        for call in calls:
+            if call.handle.session_id not in seen:
+                seen.add(call.handle.session_id)
+                heard.append(len(call.committed))
+        return step_batch(calls)
 
-    monkeypatch.setattr(RequestWorkers, "take_opened_draft", recording)
-    return unheard
+    draft.step_batch = recording
+    return heard
 
 
 def slowed_prefill(draft, seconds: float) -> None:
@@ -99,23 +98,19 @@ def slowed_prefill(draft, seconds: float) -> None:
 
 
 @pytest.mark.parametrize("after", [0, 5], ids=["first round", "sixth round"])
-def test_a_deferred_draft_opens_on_the_committed_tokens_and_keeps_the_output_target_only(
-    target_model, draft_models, monkeypatch, after
-):
+def test_a_deferred_draft_opens_on_the_committed_tokens_and_keeps_the_output_target_only(target_model, draft_models, after):
     async def run():
         draft = draft_engine_for(draft_models, 0.0)
         openings = spy_on_openings(draft)
-        async with running_services(TargetEngine(target_model), draft) as services:
+        async with running_services(TargetEngine(target_model), draft, policy_for=ScriptedPolicies(after)) as services:
             for prompt in PROMPTS:
                 reference, _ = await generate_ids(services.stub, prompt, gamma=0, max_new_tokens=160)
                 await generate_ids(services.stub, prompt, gamma=2, max_new_tokens=4)  # opens on the prompt alone
-                with_policy(monkeypatch, after)
-                unheard = spy_on_adoptions(monkeypatch)
+                unheard = spy_on_first_steps(draft)
                 # The opening takes long enough for target-only rounds to commit tokens it must then hear of.
                 slowed_prefill(draft, 0.05)
                 ids, stats = await generate_ids(services.stub, prompt, gamma=AUTO, max_new_tokens=160)
-                monkeypatch.undo()
-                del draft.prefill_chunk  # the engine's own method again
+                del draft.prefill_chunk, draft.step_batch  # the engine's own methods again
                 assert ids == reference
                 # It speculated, with the identical draft: every drafted token accepted, so the draft's cache held
                 # the prompt, the tokens it opened on and those committed while it opened, in order.
@@ -130,14 +125,12 @@ def test_a_deferred_draft_opens_on_the_committed_tokens_and_keeps_the_output_tar
     asyncio.run(run())
 
 
-def test_a_request_that_ends_while_its_draft_opens_frees_the_draft_session(target_model, draft_models, monkeypatch):
-    with_policy(monkeypatch, 0)
-
+def test_a_request_that_ends_while_its_draft_opens_frees_the_draft_session(target_model, draft_models):
     async def run():
         draft = draft_engine_for(draft_models, 0.0)
         openings = spy_on_openings(draft)
         slowed_prefill(draft, 0.5)  # far longer than the request's few rounds of the tiny target
-        async with running_services(TargetEngine(target_model), draft) as services:
+        async with running_services(TargetEngine(target_model), draft, policy_for=ScriptedPolicies(0)) as services:
             ids, stats = await generate_ids(services.stub, PROMPTS[0], gamma=AUTO, max_new_tokens=4)
             assert len(ids) == 4 and stats.drafted_tokens == 0
             assert len(openings) == 1, "the opening began"
@@ -147,11 +140,7 @@ def test_a_request_that_ends_while_its_draft_opens_frees_the_draft_session(targe
     asyncio.run(run())
 
 
-def test_a_deferred_draft_that_fails_to_open_leaves_the_request_target_only_without_retrying(
-    target_model, draft_models, monkeypatch
-):
-    with_policy(monkeypatch, 2)
-
+def test_a_deferred_draft_that_fails_to_open_leaves_the_request_target_only_without_retrying(target_model, draft_models):
     async def run():
         draft = draft_engine_for(draft_models, 0.0)
         openings = spy_on_openings(draft)
@@ -162,7 +151,7 @@ def test_a_deferred_draft_that_fails_to_open_leaves_the_request_target_only_with
             raise InvalidArgument("start.prompt_token_ids", "refused by the test")
 
         draft.proposer.check_prompt = refuse
-        async with running_services(TargetEngine(target_model), draft) as services:
+        async with running_services(TargetEngine(target_model), draft, policy_for=ScriptedPolicies(2)) as services:
             reference, _ = await generate_ids(services.stub, PROMPTS[1], gamma=0, max_new_tokens=24)
             ids, stats = await generate_ids(services.stub, PROMPTS[1], gamma=AUTO, max_new_tokens=24)
             assert ids == reference

@@ -11,7 +11,7 @@ from common.sampling import SamplingParams
 from coordinator.config import CoordinatorConfig
 from coordinator.round import DraftSync
 from coordinator.types import GenerationParams
-from coordinator.engine import gamma_policy_for
+from coordinator.gamma_policy_factory import gamma_policy_for
 from coordinator.gamma_policy import AcceptanceEstimate, CostModelPolicy, HeuristicPolicy, MeasuredSpeed
 from coordinator.in_process import InProcessWorkers
 from coordinator.server import build_engine
@@ -136,9 +136,16 @@ QWEN_TARGET_AVX2 = [(1, 106.1), (2, 128.7), (3, 124.4), (4, 145.1), (5, 183.0), 
 QWEN_DRAFT_AVX2 = [(1, 51.5)]
 
 
-def qwen_request(speed: MeasuredSpeed) -> CostModelPolicy:
+def qwen_request(speed: MeasuredSpeed, feeds_it: bool = False) -> CostModelPolicy:
+    """A request starting from the deployment's acceptance; feeds_it: one whose rounds the deployment measures (a
+    request of its own measures nothing for the others)."""
     return CostModelPolicy(
-        QWEN_TARGET_AVX2, QWEN_DRAFT_AVX2, max_gamma=8, overhead_ms=3.0, acceptance=speed.request_acceptance(model_free=False)
+        QWEN_TARGET_AVX2,
+        QWEN_DRAFT_AVX2,
+        max_gamma=8,
+        speed=speed if feeds_it else MeasuredSpeed(),
+        overhead_ms=3.0,
+        acceptance=speed.request_acceptance(model_free=False),
     )
 
 
@@ -167,8 +174,7 @@ def test_a_deployment_whose_model_draft_stopped_drafting_tries_again_later():
     """Requests that do not draft still move the deployment's rate back towards its prior, so that a bad stretch of
     text (a model draft missing on every round) does not turn drafting off for good."""
     speed = MeasuredSpeed()
-    request = qwen_request(speed)
-    request.shared_acceptance = speed.acceptance
+    request = qwen_request(speed, feeds_it=True)
     for _ in range(100):
         request.observe(drafted=2, accepted=0, verified_tokens=3, verify_us=124_000, batch_size=1, batch_tokens=3)
     assert qwen_request(speed).choose(100) == 0
@@ -227,10 +233,7 @@ def test_a_verification_slower_than_calibrated_stops_paying_once_measured():
 
 def test_policies_of_one_coordinator_share_the_worker_speed_they_measure():
     speed = MeasuredSpeed()
-    first, second = (
-        policy_with(0.6, [(1, 10)], target_scale=speed.target_scale, row_scales=speed.row_scales, draft_scale=speed.draft_scale)
-        for _ in range(2)
-    )
+    first, second = (policy_with(0.6, [(1, 10)], speed=speed) for _ in range(2))
     for _ in range(20):  # the first request's draft runs 4x slower than its start-up curve said
         first.observe_draft(2, 80_000)
     assert second.draft_ms(1) == pytest.approx(40, rel=0.05)
@@ -241,10 +244,10 @@ def test_the_sessions_of_one_pass_move_the_shared_scales_as_one_measurement():
     """Every session of a batch reports the same pass. Counted once each, 8 sessions left the coordinator's shared
     scales at the last pass's time (0.8^8 of the memory kept), and the choice between row counts swung with it."""
     speed, alone = MeasuredSpeed(), MeasuredSpeed()
-    batch = [policy_with(0.5, target_scale=speed.target_scale, row_scales=speed.row_scales) for _ in range(8)]
+    batch = [policy_with(0.5, speed=speed) for _ in range(8)]
     for policy in batch:  # one pass of 8 sessions, 8 rows, measured 2x the curve (53 ms)
         policy.observe(drafted=0, accepted=0, verified_tokens=1, verify_us=106_000, batch_size=8, batch_tokens=8)
-    single = policy_with(0.5, target_scale=alone.target_scale, row_scales=alone.row_scales)
+    single = policy_with(0.5, speed=alone)
     single.observe(drafted=0, accepted=0, verified_tokens=8, verify_us=106_000, batch_size=1, batch_tokens=8)
     assert speed.target_scale.value == pytest.approx(alone.target_scale.value) == pytest.approx(1.2)
     assert speed.row_scales[8].value == pytest.approx(1.22, abs=0.01)  # counted 8 times it would be 1.87
@@ -306,10 +309,10 @@ def test_rated_tokens_that_the_target_keeps_rejecting_stop_being_verified():
     assert policy.trim(rated([0.95] * 8)) == 0
     # Learned for the deployment: the next request's policy starts from it.
     speed = MeasuredSpeed()
-    first = policy_with(0.5, calibration=speed.calibration)
+    first = policy_with(0.5, speed=speed)
     for _ in range(40):
         first.observe_confidence([0.95] * 8, 0)
-    assert policy_with(0.5, calibration=speed.calibration).trim(rated([0.95] * 8)) == 0
+    assert policy_with(0.5, speed=speed).trim(rated([0.95] * 8)) == 0
 
 
 def test_a_model_free_draft_that_rates_its_tokens_is_asked_for_all_it_may_propose_where_asking_is_free():

@@ -178,14 +178,14 @@ def test_a_cancellation_swallowed_by_wait_for_still_stops_the_request(target_mod
     as its awaitable completes, and is swallowed); the speculation loop checks the task's cancellation count each
     round, so the request ends cancelled after that round, and frees its sessions, instead of running on to its
     last token after its caller left."""
-    import coordinator.engine
+    import coordinator.request_run
     from common.sampling import SamplingParams
     from coordinator.config import CoordinatorConfig
     from coordinator.in_process import InProcessWorkers
     from coordinator.server import build_engine
     from coordinator.types import GenerationParams
 
-    real_round, rounds = coordinator.engine.speculation_round, []
+    real_round, rounds = coordinator.request_run.speculation_round, []
 
     async def round_that_swallows_a_cancellation(*args, **kwargs):
         result = await real_round(*args, **kwargs)
@@ -198,7 +198,7 @@ def test_a_cancellation_swallowed_by_wait_for_still_stops_the_request(target_mod
                 pass  # what wait_for does when its awaitable completes in the same step
         return result
 
-    monkeypatch.setattr(coordinator.engine, "speculation_round", round_that_swallows_a_cancellation)
+    monkeypatch.setattr(coordinator.request_run, "speculation_round", round_that_swallows_a_cancellation)
 
     async def run():
         target, draft = TargetEngine(target_model, calibrate=False), draft_engine_for(draft_models, 0.5)
