@@ -120,19 +120,24 @@ def test_the_official_sdk(service):
     assert isinstance(spec.choices[0].message.parsed, Weather) and spec.choices[0].message.parsed.city == "Oslo"
     assert spec.choices[0].message.content == off.choices[0].message.content
     # json_object
-    json_messages = [{"role": "system", "content": "Answer in JSON."}, *ASK_WEATHER]
+    json_messages = [
+        {"role": "system", "content": 'Reply with exactly {"city": <the city>, "days": <the number of days>} and nothing else.'},
+        *ASK_WEATHER,
+    ]
     spec, off, _ = speculated_and_alone(
         service, lambda x: chat(x, messages=json_messages, max_tokens=60, response_format={"type": "json_object"})
     )
     assert isinstance(json.loads(spec.choices[0].message.content), dict)
     assert spec.choices[0].message.content == off.choices[0].message.content
-    # tools: the model's own choice (auto), whole and streamed
-    spec, off, _ = speculated_and_alone(service, lambda x: chat(x, messages=ASK_WEATHER, tools=[WEATHER_TOOL], max_tokens=60))
+    # tools, whole and streamed: a call required (left to choose, tool_choice auto, the 1.5B coder answers with the
+    # call in a ```json block rather than in its template's <tool_call> tags)
+    tools = {"tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+    spec, off, _ = speculated_and_alone(service, lambda x: chat(x, messages=ASK_WEATHER, max_tokens=60, **tools))
     (call,) = spec.choices[0].message.tool_calls
     assert spec.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert Weather.model_validate_json(call.function.arguments).city == "Oslo"
     assert call.function.arguments == off.choices[0].message.tool_calls[0].function.arguments
-    stream = chat({}, messages=ASK_WEATHER, tools=[WEATHER_TOOL], max_tokens=60, stream=True)
+    stream = chat({}, messages=ASK_WEATHER, max_tokens=60, stream=True, **tools)
     deltas = [d for chunk in stream for d in (chunk.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == "get_weather" and len(deltas) > 3
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
@@ -182,11 +187,13 @@ def test_langchain_openai(service):
 
     question = "What will the weather be in Oslo for the next 3 days?"
     # bind_tools, invoked and streamed
-    spec, off, _ = speculated_and_alone(service, lambda x: llm(x).bind_tools([Weather]).invoke(question))
+    spec, off, _ = speculated_and_alone(
+        service, lambda x: llm(x).bind_tools([Weather], tool_choice="Weather", parallel_tool_calls=False).invoke(question)
+    )
     (call,) = spec.tool_calls
     assert call["name"] == "Weather" and Weather.model_validate(call["args"]).city == "Oslo"
     assert [(c["name"], c["args"]) for c in off.tool_calls] == [(call["name"], call["args"])]
-    chunks = list(llm({}).bind_tools([Weather]).stream(question))
+    chunks = list(llm({}).bind_tools([Weather], tool_choice="Weather", parallel_tool_calls=False).stream(question))
     assert len([c for c in chunks if c.tool_call_chunks]) > 3  # the arguments came in pieces
     merged = chunks[0]
     for chunk in chunks[1:]:
