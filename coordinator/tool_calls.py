@@ -75,11 +75,13 @@ def tag(text: str, tokenizer) -> str:
 
 def calls_grammar(functions: list[dict], forced: str, parallel: bool, tokenizer=None) -> str:
     """Lark (llguidance's dialect) for the output of a required call (forced "") or of the named one: one call
-    block, or with parallel several, each holding JSON that validates against its function's parameters."""
+    block, or for a required call with parallel several, each holding JSON that validates against its function's
+    parameters. A named function is called once, as vLLM does (a model held to one function tends to call it again
+    and again: Qwen2.5-Coder-1.5B repeats the same call until max_tokens)."""
     chosen = [f for f in functions if not forced or f["name"] == forced]
     schema = call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [call_schema(f) for f in chosen]}
     schema["x-guidance"] = CALL_JSON_STYLE
-    repeat = ' ("\\n" call)*' if parallel else ""
+    repeat = ' ("\\n" call)*' if parallel and not forced else ""
     return (
         f"start: call{repeat}\n"
         f'call: {tag(CALL_OPEN, tokenizer)} "\\n" body "\\n" {tag(CALL_CLOSE, tokenizer)}\n'
