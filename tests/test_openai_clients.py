@@ -64,13 +64,16 @@ def service(tmp_path_factory):
         yield Service(f"http://127.0.0.1:{http}/v1", f"http://127.0.0.1:{metrics}/metrics")
 
 
-def speculated_and_alone(service: Service, run):
-    """run(extra_body) twice: with speculation (the drafted-tokens counter must grow) and with it off."""
+def speculated_and_alone(service: Service, run, label: str = ""):
+    """run(extra_body) twice: with speculation (the drafted-tokens counter must grow) and with it off (it must not)."""
     before = service.drafted()
     speculated = run({})
-    drafted = service.drafted() - before
+    middle = service.drafted()
     alone = run(dict(OFF))
+    drafted, drafted_alone = middle - before, service.drafted() - middle
+    print(f"{label}: drafted tokens {drafted:.0f} with speculation, {drafted_alone:.0f} without")
     assert drafted > 0, "speculation did not stay on"
+    assert drafted_alone == 0, "num_speculative_tokens 0 did not reach the service"
     return speculated, alone, drafted
 
 
@@ -99,7 +102,7 @@ def test_the_official_sdk(service):
     # logprobs
     messages = [{"role": "user", "content": "Write a Python one-liner that reverses a string s."}]
     spec, off, _ = speculated_and_alone(
-        service, lambda x: chat(x, messages=messages, max_tokens=32, logprobs=True, top_logprobs=3)
+        service, lambda x: chat(x, messages=messages, max_tokens=32, logprobs=True, top_logprobs=3), "sdk logprobs"
     )
     assert spec.choices[0].message.content == off.choices[0].message.content
     ours, theirs = spec.choices[0].logprobs.content, off.choices[0].logprobs.content
@@ -116,6 +119,7 @@ def test_the_official_sdk(service):
         lambda x: client.chat.completions.parse(
             model=MODEL, messages=ASK_WEATHER, response_format=Weather, temperature=0, max_tokens=40, extra_body=x
         ),
+        "sdk parse",
     )
     assert isinstance(spec.choices[0].message.parsed, Weather) and spec.choices[0].message.parsed.city == "Oslo"
     assert spec.choices[0].message.content == off.choices[0].message.content
@@ -125,14 +129,16 @@ def test_the_official_sdk(service):
         *ASK_WEATHER,
     ]
     spec, off, _ = speculated_and_alone(
-        service, lambda x: chat(x, messages=json_messages, max_tokens=60, response_format={"type": "json_object"})
+        service,
+        lambda x: chat(x, messages=json_messages, max_tokens=60, response_format={"type": "json_object"}),
+        "sdk json_object",
     )
     assert isinstance(json.loads(spec.choices[0].message.content), dict)
     assert spec.choices[0].message.content == off.choices[0].message.content
     # tools, whole and streamed: a call required (left to choose, tool_choice auto, the 1.5B coder answers with the
     # call in a ```json block rather than in its template's <tool_call> tags)
     tools = {"tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False}
-    spec, off, _ = speculated_and_alone(service, lambda x: chat(x, messages=ASK_WEATHER, max_tokens=60, **tools))
+    spec, off, _ = speculated_and_alone(service, lambda x: chat(x, messages=ASK_WEATHER, max_tokens=60, **tools), "sdk tools")
     (call,) = spec.choices[0].message.tool_calls
     assert spec.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert Weather.model_validate_json(call.function.arguments).city == "Oslo"
@@ -172,7 +178,7 @@ def test_instructor(service):
                 extra_body=extra,
             )
 
-        (spec, spec_raw), (off, off_raw), _ = speculated_and_alone(service, run)
+        (spec, spec_raw), (off, off_raw), _ = speculated_and_alone(service, run, f"instructor {mode.value}")
         assert isinstance(spec, Weather) and spec.model_dump() == off.model_dump() and spec.city == "Oslo", mode
         said = [
             (r.choices[0].message.content, [c.function for c in r.choices[0].message.tool_calls or []])
@@ -193,7 +199,9 @@ def test_langchain_openai(service):
     question = "What will the weather be in Oslo for the next 3 days?"
     # bind_tools, invoked and streamed
     spec, off, _ = speculated_and_alone(
-        service, lambda x: llm(x).bind_tools([Weather], tool_choice="Weather", parallel_tool_calls=False).invoke(question)
+        service,
+        lambda x: llm(x).bind_tools([Weather], tool_choice="Weather", parallel_tool_calls=False).invoke(question),
+        "langchain bind_tools",
     )
     (call,) = spec.tool_calls
     assert call["name"] == "Weather" and Weather.model_validate(call["args"]).city == "Oslo"
@@ -208,7 +216,9 @@ def test_langchain_openai(service):
     shape = ' Reply with exactly {"city": <the city>, "days": <the number of days>} and nothing else.'
     for method in ("json_schema", "function_calling", "json_mode"):
         spec, off, _ = speculated_and_alone(
-            service, lambda x, method=method: llm(x).with_structured_output(Weather, method=method).invoke(question + shape)
+            service,
+            lambda x, method=method: llm(x).with_structured_output(Weather, method=method).invoke(question + shape),
+            f"langchain with_structured_output {method}",
         )
         assert isinstance(spec, Weather) and spec == off, method
 
@@ -296,7 +306,9 @@ def test_lm_evaluation_harness(service, tmp_path):
     before = service.drafted()
     speculated = lm_eval(service, tmp_path, tmp_path / "speculated")
     drafted = service.drafted() - before
+    middle = service.drafted()
     alone = lm_eval(service, tmp_path, tmp_path / "alone", gen_kwargs="num_speculative_tokens=0")
+    assert service.drafted() == middle, "num_speculative_tokens 0 did not reach the service"
     assert drafted > 0, "speculation did not stay on (the generation task drafts; scoring the choices does not)"
     for task in ("specdec_mc", "specdec_gen"):
         ours = [(s["doc_id"], s["filtered_resps"]) for s in sorted(speculated["samples"][task], key=lambda s: s["doc_id"])]
