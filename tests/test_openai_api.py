@@ -352,6 +352,12 @@ def test_a_named_tool_call_parses_against_its_schema_streamed_or_not_and_specula
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert chunks[0].choices[0].delta.role == "assistant" and not any(c.choices[0].delta.content for c in chunks)
     assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["tool_calls"]
+    # With logprobs, every token's entry rides on the stream, as in the whole response.
+    whole = client.chat.completions.create(**body, logprobs=True)
+    chunks = list(client.chat.completions.create(**body, logprobs=True, stream=True))
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    assert len(streamed) == whole.usage.completion_tokens
     # The call and its result go back in the history; the next turn is served.
     result = {"role": "tool", "tool_call_id": call.id, "content": "sunny"}
     history = [*messages, choice.message.model_dump(exclude_none=True), result]
