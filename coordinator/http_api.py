@@ -721,6 +721,8 @@ class CompletionHandler:
             slot.enter_context(self.admission.slot())
             admitted = True
             params = await params_of(generate_request, engine.tokenizer, engine.config)
+            if chat:  # a chat rendered here (with tools) reaches the engine as token ids: still a chat in the metrics
+                params = replace(params, operation="chat")
             echo = echo_text(body, params, engine.tokenizer)
             completion = Completion(
                 chat, engine.target.model_name, bool(body.speculation_by_position), engine.tokenizer, params, echo, tools
