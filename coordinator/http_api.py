@@ -43,7 +43,7 @@ from coordinator.engine import GenerationEngine
 from coordinator.output import Delta
 from coordinator.requests import MAX_MESSAGES, params_of
 from coordinator.finish_reasons import FINISH_REASON_NAMES
-from coordinator.tool_calls import calls_grammar, check_tools, parse_calls, render_chat
+from coordinator.tool_calls import CallArguments, CallStart, CallStream, calls_grammar, check_tools, parse_calls, render_chat
 from coordinator.types import GenerationParams, GenerationResult
 from common.sampling import TokenLogprob, stream_seed
 from common.tokenizer import Tokenizer
@@ -502,18 +502,43 @@ class Completion:
         self.offsets[index] = self.offsets.get(index, 0) + len(text)
         return {**self.envelope(chunk=True), "choices": [self.choice(index, text, finish_reason, True, first, logprobs)]}
 
-    def last_chunks(self, index: int, held: str, finish_reason: str | None, first: bool) -> list[dict]:
-        """The end of choice `index`'s stream whose text was held back to parse tool calls out of it: its content,
-        then its calls as delta.tool_calls with finish_reason tool_calls."""
-        content, calls = self.calls_of(held)
-        if not calls:
-            if not held:
-                return [self.chunk(index, "", finish_reason, first)]
-            return [self.chunk(index, held, first=first), self.chunk(index, "", finish_reason)]
-        chunks = [self.chunk(index, content, first=first)] if content else []
-        last = self.chunk(index, "", "length" if finish_reason == "length" else "tool_calls", first=first and not content)
-        last["choices"][0]["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-        return [*chunks, last]
+    def call_stream(self) -> CallStream:
+        return CallStream({f["name"] for f in self.tools.functions}, self.tools.parallel)
+
+    def tool_chunks(self, index: int, events: list, first: bool, delta: Delta | None = None) -> list[dict]:
+        """Chunks of choice `index` with tools, from what its CallStream told of a delta (`events`): content as
+        delta.content; a call's start as delta.tool_calls with its index, id, type, name and its arguments so far;
+        its arguments' further pieces as delta.tool_calls with the index and function.arguments only (the pieces
+        a client appends). The delta's log-probabilities go with the first chunk (alone if it tells nothing yet)."""
+        deltas: list[dict] = []
+        for event in events:
+            if isinstance(event, CallStart):
+                function = {"name": event.name, "arguments": ""}
+                deltas.append({"tool_calls": [{"index": event.index, "id": event.id, "type": "function", "function": function}]})
+            elif isinstance(event, CallArguments):
+                last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None
+                if last is not None and last["index"] == event.index:
+                    last["function"]["arguments"] = last["function"].get("arguments", "") + event.text
+                else:
+                    deltas.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
+            else:
+                deltas.append({"content": event})
+        logprobs = self.logprobs_of(delta.token_ids, delta.logprobs) if delta is not None and delta.logprobs else None
+        if not deltas and (first or logprobs):
+            deltas.append({})
+        chunks = []
+        for i, piece in enumerate(deltas):
+            if first and i == 0:
+                piece = {"role": "assistant", "content": None, **piece}
+            choice = {"index": index, "delta": piece, "finish_reason": None, "logprobs": logprobs if i == 0 else None}
+            chunks.append({**self.envelope(chunk=True), "choices": [choice]})
+        return chunks
+
+    def last_tool_chunk(self, index: int, calls: int, finish_reason: str | None) -> dict:
+        """The finish of choice `index` with tools: tool_calls if it made calls (unless cut at max_tokens)."""
+        if calls and finish_reason != "length":
+            finish_reason = "tool_calls"
+        return self.chunk(index, "", finish_reason)
 
     def usage_chunk(self, results: list[GenerationResult]) -> dict:
         return {
@@ -696,6 +721,8 @@ class CompletionHandler:
             slot.enter_context(self.admission.slot())
             admitted = True
             params = await params_of(generate_request, engine.tokenizer, engine.config)
+            if chat:  # a chat rendered here (with tools) reaches the engine as token ids: still a chat in the metrics
+                params = replace(params, operation="chat")
             echo = echo_text(body, params, engine.tokenizer)
             completion = Completion(
                 chat, engine.target.model_name, bool(body.speculation_by_position), engine.tokenizer, params, echo, tools
@@ -869,12 +896,15 @@ async def stream_events(first, events, completion: Completion, include_usage: bo
     after the stream began is sent as an error event (the status line is gone by then)."""
     opened: set[int] = set()  # the choices whose first chunk went out
     results: dict[int, GenerationResult] = {}
-    held: dict[int, str] = {}  # with tools, each choice's text, parsed for tool calls at its end
+    calls: dict[int, CallStream] = {}  # with tools, each choice's tool calls as they are generated
     index, event = first
     try:
         while True:
             if isinstance(event, Delta) and completion.tools is not None:
-                held[index] = held.get(index, "") + event.text
+                stream = calls.setdefault(index, completion.call_stream())
+                for chunk in completion.tool_chunks(index, stream.feed(event.text), index not in opened, event):
+                    yield sse(chunk)
+                    opened.add(index)
             elif isinstance(event, Delta):
                 if event.text or event.logprobs or index not in opened:
                     chunk = completion.chunk(
@@ -885,8 +915,10 @@ async def stream_events(first, events, completion: Completion, include_usage: bo
             else:
                 finish = FINISH_REASON_NAMES.get(event.finish_reason)
                 if completion.tools is not None:
-                    for chunk in completion.last_chunks(index, held.pop(index, ""), finish, index not in opened):
+                    stream = calls.setdefault(index, completion.call_stream())
+                    for chunk in completion.tool_chunks(index, stream.end(), index not in opened):
                         yield sse(chunk)
+                    yield sse(completion.last_tool_chunk(index, stream.calls_started, finish))
                 else:
                     prompt = event.prompt_logprobs
                     yield sse(completion.chunk(index, "", finish, first=index not in opened, prompt_logprobs=prompt))

@@ -341,15 +341,95 @@ def test_a_named_tool_call_parses_against_its_schema_streamed_or_not_and_specula
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     assert alone.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
     assert speculated.model_extra["speculation"]["drafted_tokens"] > 0
+    # Streamed as OpenAI streams calls: a first delta with the call's index, id, type and name, then the arguments
+    # in pieces as they are generated (index and function.arguments only), then finish_reason tool_calls.
     chunks = list(client.chat.completions.create(**body, stream=True))
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "get_weather", call.function.arguments)]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert deltas[0].index == 0 and deltas[0].id.startswith("call_") and deltas[0].type == "function"
+    assert deltas[0].function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(deltas) > 5, "the arguments come in pieces as they are generated"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[0].choices[0].delta.role == "assistant" and not any(c.choices[0].delta.content for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["tool_calls"]
+    # With logprobs, every token's entry rides on the stream, as in the whole response.
+    whole = client.chat.completions.create(**body, logprobs=True)
+    chunks = list(client.chat.completions.create(**body, logprobs=True, stream=True))
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    assert len(streamed) == whole.usage.completion_tokens
     # The call and its result go back in the history; the next turn is served.
     result = {"role": "tool", "tool_call_id": call.id, "content": "sunny"}
     history = [*messages, choice.message.model_dump(exclude_none=True), result]
     follow_up = client.chat.completions.create(model=TARGET, messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
     assert follow_up.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+class Weather(BaseModel):
+    city: Literal["Paris", "Oslo"]
+    days: int = Field(ge=1, le=7)
+
+
+def test_the_sdks_stream_helper_accumulates_a_strict_tool_call_piece_by_piece(client):
+    """The official SDK's chat.completions.stream() with a strict tool (pydantic_function_tool): its events give
+    the arguments as they grow, each piece parsed partially, and the final completion holds the call parsed into
+    the Pydantic model, as the whole response's."""
+    tool = openai.pydantic_function_tool(Weather, name="get_weather")
+    body = {"model": TARGET, "messages": [{"role": "user", "content": "weather in Oslo?"}], "tools": [tool]}
+    body.update(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=120)
+    whole = client.chat.completions.parse(**body)
+    (call,) = whole.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Weather)
+    pieces, done = [], []
+    with client.chat.completions.stream(**body) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.append(event.arguments_delta)
+                assert event.name == "get_weather" and event.arguments == "".join(pieces)
+            elif event.type == "tool_calls.function.arguments.done":
+                done.append(event)
+        final = stream.get_final_completion()
+    assert len(pieces) > 5 and "".join(pieces) == call.function.arguments
+    assert [(e.name, e.parsed_arguments) for e in done] == [("get_weather", call.function.parsed_arguments)]
+    (streamed,) = final.choices[0].message.tool_calls
+    assert streamed.function.arguments == call.function.arguments and streamed.id.startswith("call_")
+    assert streamed.function.parsed_arguments == call.function.parsed_arguments
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_json_object_gives_target_only_output_under_speculation(client):
+    def create(**options):
+        messages = [{"role": "system", "content": "answer in JSON"}, {"role": "user", "content": "a colour"}]
+        return client.chat.completions.create(
+            model=TARGET, messages=messages, response_format={"type": "json_object"}, temperature=0, max_tokens=40, **options
+        )
+
+    speculated, alone = create(), create(extra_body={"num_speculative_tokens": 0})
+    content = speculated.choices[0].message.content
+    assert content.startswith("{") and content == alone.choices[0].message.content
+    if speculated.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    assert speculated.model_extra["speculation"]["drafted_tokens"] > 0 == alone.model_extra["speculation"]["drafted_tokens"]
+
+
+def test_chat_n_choices_differ_with_their_own_seeds_and_repeat_with_the_same_streamed_or_not(client):
+    def choices(seed, stream=False, **options):
+        body = {"model": TARGET, "messages": [{"role": "user", "content": "roll"}], "n": 3, "seed": seed}
+        body.update(temperature=1.0, max_tokens=12, extra_body={"ignore_eos": True, **options})
+        if not stream:
+            response = client.chat.completions.create(**body)
+            return [c.message.content for c in sorted(response.choices, key=lambda c: c.index)], response
+        texts = [""] * 3
+        for chunk in client.chat.completions.create(**body, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+        return texts, None
+
+    three, response = choices(11)
+    assert len(set(three)) == 3, three
+    assert response.usage.completion_tokens == 36 and response.model_extra["speculation"]["drafted_tokens"] > 0
+    assert choices(11)[0] == three and choices(11, stream=True)[0] == three
+    assert choices(12)[0] != three
 
 
 def test_bad_constraints_and_tool_choices_get_400_naming_the_callers_field(client):
