@@ -65,17 +65,17 @@ def test_the_scale_report_states_throughput_spread_and_the_fault_run(tmp_path):
 
 
 def test_the_results_document_states_the_scale_runs_of_its_raw_json():
-    """docs/results.md's scale section cites docs/results/scale-full/; its table agrees with that JSON (each run,
-    the medians, the spread), computed here from the JSON."""
+    """The worker-pools report (docs/results/2026-11-30-worker-pools.md) cites docs/results/scale-full/; its table
+    agrees with that JSON (each run, the medians, the spread), computed here from the JSON."""
     import json
     import pathlib
     import statistics
 
     root = pathlib.Path(__file__).parents[1]
     results = json.loads((root / "docs/results/scale-full/results.json").read_text())
-    document = (root / "docs/results.md").read_text()
-    heading = next(line[3:] for line in document.splitlines() if line.startswith("## Pools of workers"))
-    assert "docs/results/scale-full/" in document.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    document = (root / "docs/results/2026-11-30-worker-pools.md").read_text()
+    heading = "One target worker against two"
+    assert "](scale-full/report.md)" in document, "the report links the run's folder"
     rows = table_rows(document, heading)
     assert [row[0] for row in rows] == list(results["throughput"]), "a row per worker count"
     for row, runs in zip(rows, results["throughput"].values(), strict=True):
