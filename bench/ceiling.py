@@ -32,7 +32,7 @@ from draft_worker.suffix import SuffixProposer
 from draft_worker.suffix_tree import Speculation
 
 CAP = 16  # most tokens a round may verify beyond its own (the coordinator's max_num_speculative_tokens)
-OVERHEAD = 0.1  # a round's cost beyond its pass, in steps (about 3 ms of a 28-30 ms 1.5B step, docs/results.md)
+OVERHEAD = 0.1  # a round's cost beyond its pass, in steps (about 3 ms of a 28-30 ms 1.5B step, docs/results/)
 
 
 @dataclass

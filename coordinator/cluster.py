@@ -20,13 +20,13 @@ from draft_worker.specs import is_model_free
 # The best draft the project has for each target (README, "Choosing a draft"): prompt lookup for SmolLM2 and for
 # the Qwen pair too. On the gguf engine the 0.5B sibling costs 0.5x (AVX2) to 0.6-0.9x (AVX-512 on a Zen 4) a 1.5B
 # step: although it agrees with 0.85-0.92 of the 1.5B's greedy code tokens, its rounds barely beat target-only
-# where they pay at all (docs/results.md), while prompt lookup drafts for free.
+# where they pay at all (docs/results/), while prompt lookup drafts for free.
 DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b": DEFAULT_DRAFT_MODEL}
 # Where the default deployment (`specdec up`, `make demo`, the llama-cpp suite's default) runs a model-free draft:
 # in the coordinator. A draft worker adds an exchange to every round that asks it, including the asks that find no
 # proposal; with the gguf engine's 7-30 ms steps that no longer hides. Measured on the 1.5B, 8 clients, prompt
 # lookup, the two clusters alive at once and taken in turn: 1.07x the aggregate tokens/s of a draft worker (median
-# of 4 pairs, 0.95-1.17); on SmolLM2 (drafting suite) ahead or level at 1-16 clients (docs/results.md).
+# of 4 pairs, 0.95-1.17); on SmolLM2 (drafting suite) ahead or level at 1-16 clients (docs/results/).
 MODEL_FREE_DRAFT_IN_COORDINATOR = True
 # The model draft of a target that has a sibling sharing its tokenizer (what the pair and llama-cpp benches compare).
 MODEL_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b#int8"}

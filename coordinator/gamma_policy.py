@@ -41,7 +41,7 @@ PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens
 # A model draft's acceptance until the deployment has measured it. Optimistic, so that the first requests draft:
 # a draft that agrees less shows it within a few rounds, where a pessimistic start never drafts and so never learns
 # (at 0.5 the cost model never asked the Qwen 0.5B to draft for the 1.5B, which agrees with 0.85-0.92 of its
-# greedy code tokens: the pair ran at target-only speed, docs/results.md).
+# greedy code tokens: the pair ran at target-only speed, docs/results/).
 MODEL_DRAFT_PRIOR = 0.8
 # How many drafted tokens the deployment's rate weighs in a model draft's request: how well two models agree is a
 # property of the pair more than of the text, so one early rejection must not stop a request from drafting (at

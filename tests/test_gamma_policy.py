@@ -130,7 +130,7 @@ def test_a_model_free_draft_is_tried_on_every_request_whatever_earlier_requests_
     assert free.choose(100) == 0
 
 
-# The Qwen pair on the gguf engine, 2 AVX2 cores (docs/results.md): the 1.5B target's ms per pass of 1..8 tokens
+# The Qwen pair on the gguf engine, 2 AVX2 cores (docs/results/): the 1.5B target's ms per pass of 1..8 tokens
 # and the 0.5B draft's per token, a draft half as costly as a target step.
 QWEN_TARGET_AVX2 = [(1, 106.1), (2, 128.7), (3, 124.4), (4, 145.1), (5, 183.0), (8, 222.9)]
 QWEN_DRAFT_AVX2 = [(1, 51.5)]

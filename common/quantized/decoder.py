@@ -4,7 +4,7 @@ norm, rotary embedding, attention over each session's cache).
 
 transformers' own forward over the same layers spends about a fifth of a 1.5B decoding step on 2 cores in Python and
 small torch ops (some 60 per layer), and a loop of our own kernels called from Python still took 1.11-1.15x the time
-of the C++ loop (docs/results.md); this pass reads the same modules (so the variants `#layers=` and `#vocab=` apply)
+of the C++ loop (docs/results/); this pass reads the same modules (so the variants `#layers=` and `#vocab=` apply)
 and computes the same functions. Every row is computed on its own (see decoder_ops.h and kernels.cpp), so a
 session's logits are bit-identical alone, in a pass of any row count and beside any sessions.
 """
