@@ -52,7 +52,7 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--output-root", help="results go to OUTPUT_ROOT/NAME (default: the suite's)")
     bench.add_argument(
         "--suite",
-        choices=["speedup", "performance", "pair", "overhead", "scale", "llama-cpp", "prefill", "drafting", "roofline"],
+        choices=list(BENCH_SUITES),
         default="speedup",
         help="speedup: baselines, gamma and temperature sweeps, the analytic model; performance: schedules (auto, "
         "heuristic, fixed), concurrency sweep, overlap on separate cores; pair: a real draft/target pair against "
@@ -185,7 +185,36 @@ def run_status(args) -> int:
     return 0
 
 
+# Each suite: its module, config class and run function, and the common settings it does not take.
+BENCH_SUITES = {
+    "speedup": ("bench.runner", "BenchConfig", "run_bench", ()),
+    "pair": ("bench.pair", "PairConfig", "run_pair", ()),
+    "overhead": ("bench.overhead", "OverheadConfig", "run_overhead", ()),
+    "scale": ("bench.scale", "ScaleConfig", "run_scale", ()),
+    "llama-cpp": ("bench.llama_cpp", "LlamaCppConfig", "run_llama_cpp", ("device",)),
+    "prefill": ("bench.prefill_interference", "PrefillConfig", "run_prefill", ()),
+    "drafting": ("bench.drafting", "DraftingConfig", "run_drafting", ()),
+    "roofline": ("bench.roofline", "RooflineConfig", "run_roofline", ("device", "draft_model", "max_new_tokens")),
+    "performance": ("bench.performance", "PerformanceConfig", "run_performance", ()),
+}
+
+
+def suite_settings(args) -> dict:
+    """The settings given on the command line that the chosen suite takes."""
+    *_, not_taken = BENCH_SUITES.get(args.suite, BENCH_SUITES["speedup"])
+    keys = ("target_model", "draft_model", "device", "max_new_tokens", "repeats", "output_root")
+    given = {key: getattr(args, key) for key in keys if getattr(args, key) is not None and key not in not_taken}
+    if args.suite == "drafting" and args.gamma is not None:
+        given["gamma"] = args.gamma
+    if args.suite == "drafting" and args.concurrency is not None:
+        given["concurrency"] = [] if args.concurrency == "none" else [int(n) for n in args.concurrency.split(",")]
+    if args.suite == "performance" and args.overlap_draft_model is not None:
+        given["overlap_draft_model"] = args.overlap_draft_model
+    return given
+
+
 def run_bench_command(args) -> int:
+    import importlib
     import time
 
     for flag, value in (("--gamma", args.gamma), ("--concurrency", args.concurrency)):
@@ -193,57 +222,10 @@ def run_bench_command(args) -> int:
             print(f"specdec bench: {flag} applies to --suite drafting only", file=sys.stderr)
             return 2
     name = args.name or f"{'quick' if args.quick else 'full'}-{args.suite}-{time.strftime('%Y%m%d-%H%M%S')}"
-    given = {
-        key: getattr(args, key)
-        for key in ("target_model", "draft_model", "device", "max_new_tokens", "repeats", "output_root")
-        if getattr(args, key) is not None
-    }
-    if args.suite == "pair":
-        from bench.pair import PairConfig, run_pair
-
-        out = run_pair(PairConfig(name=name, quick=args.quick, **given))
-    elif args.suite == "overhead":
-        from bench.overhead import OverheadConfig, run_overhead
-
-        out = run_overhead(OverheadConfig(name=name, quick=args.quick, **given))
-    elif args.suite == "scale":
-        from bench.scale import ScaleConfig, run_scale
-
-        out = run_scale(ScaleConfig(name=name, quick=args.quick, **given))
-    elif args.suite == "llama-cpp":
-        from bench.llama_cpp import LlamaCppConfig, run_llama_cpp
-
-        given.pop("device", None)
-        out = run_llama_cpp(LlamaCppConfig(name=name, quick=args.quick, **given))
-    elif args.suite == "prefill":
-        from bench.prefill_interference import PrefillConfig, run_prefill
-
-        out = run_prefill(PrefillConfig(name=name, quick=args.quick, **given))
-    elif args.suite == "drafting":
-        from bench.drafting import DraftingConfig, run_drafting
-
-        if args.gamma is not None:
-            given["gamma"] = args.gamma
-        if args.concurrency is not None:
-            given["concurrency"] = [] if args.concurrency == "none" else [int(n) for n in args.concurrency.split(",")]
-        out = run_drafting(DraftingConfig(name=name, quick=args.quick, **given))
-    elif args.suite == "roofline":
-        from bench.roofline import RooflineConfig, run_roofline
-
-        given.pop("device", None)
-        given.pop("draft_model", None)
-        given.pop("max_new_tokens", None)
-        out = run_roofline(RooflineConfig(name=name, quick=args.quick, **given))
-    elif args.suite == "performance":
-        from bench.performance import PerformanceConfig, run_performance
-
-        if args.overlap_draft_model is not None:
-            given["overlap_draft_model"] = args.overlap_draft_model
-        out = run_performance(PerformanceConfig(name=name, quick=args.quick, **given))
-    else:
-        from bench.runner import BenchConfig, run_bench
-
-        out = run_bench(BenchConfig(name=name, quick=args.quick, **given))
+    module_name, config_name, run_name, _ = BENCH_SUITES.get(args.suite, BENCH_SUITES["speedup"])
+    module = importlib.import_module(module_name)
+    config = getattr(module, config_name)(name=name, quick=args.quick, **suite_settings(args))
+    out = getattr(module, run_name)(config)
     print(f"report: {out / 'report.md'}")
     return 0
 

@@ -118,12 +118,8 @@ async def speculation_round(
     the draft hears of the rest as rejected.
     """
     t0 = time.perf_counter()
-    proposal = ready
-    if ready is None and gamma > 0:
-        with phase("draft", gamma, False) as parent:
-            proposal = await workers.propose(*sync.take(), gamma, parent)
-    elif ready is not None:
-        gamma = len(ready.token_ids)
+    gamma = len(ready.token_ids) if ready is not None else gamma
+    proposal = ready if ready is not None else await drafted_now(workers, sync, gamma, phase)
     if proposal is not None:
         proposal = truncated(proposal, trim(proposal))
     exposed = proposal if ready is None else None  # drafted in this round, not behind the previous one
@@ -143,12 +139,7 @@ async def speculation_round(
     committed = drafted[: verdict.num_accepted] + [verdict.next_token]
     all_accepted = verdict.num_accepted == len(drafted)
     hit = pre is not None and all_accepted and pre.assumed_token == verdict.next_token and workers.has_draft
-    if hit:
-        sync.confirm(len(drafted) + 1)
-    elif proposal is not None or pre_task is not None:
-        sync.reject(verdict.num_accepted, verdict.next_token)
-    else:
-        sync.commit_unheard(committed)
+    tell_draft(sync, verdict, committed, hit, heard=proposal is not None or pre_task is not None)
     return RoundResult(
         gamma=gamma,
         proposal=proposal,
@@ -161,6 +152,25 @@ async def speculation_round(
         verify_rtt_us=elapsed_us(t1, t2),
         pre_rtt_us=pre_rtt_us,
     )
+
+
+async def drafted_now(workers: RoundWorkers, sync: DraftSync, gamma: int, phase: Phase) -> Proposal | None:
+    """The draft's gamma tokens for this round, proposed now (None for gamma 0)."""
+    if gamma <= 0:
+        return None
+    with phase("draft", gamma, False) as parent:
+        return await workers.propose(*sync.take(), gamma, parent)
+
+
+def tell_draft(sync: DraftSync, verdict: Verdict, committed: list[int], hit: bool, heard: bool) -> None:
+    """What the draft hears of the round: its pre-draft confirmed (a hit), its tokens rejected from the verdict's
+    point on (it drafted), or the committed tokens to replay next time it drafts (it did not)."""
+    if hit:
+        sync.confirm(len(committed))
+    elif heard:
+        sync.reject(verdict.num_accepted, verdict.next_token)
+    else:
+        sync.commit_unheard(committed)
 
 
 async def pre_draft(workers: RoundWorkers, sync: DraftSync, g: int, phase: Phase) -> tuple[Proposal | None, int]:
