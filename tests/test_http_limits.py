@@ -80,7 +80,7 @@ def test_a_stream_whose_client_stops_reading_is_cancelled_and_closes_its_generat
     # waits (its flow control) for as long as the client does not read. Here the send blocks after the headers,
     # as it would then, and the client never disconnects: after the stall timeout the stream ends, and its
     # generation (the engine's generator, whose closing frees the sessions) is closed with it.
-    from coordinator.http_api import EventStream
+    from coordinator.http_streaming import EventStream
 
     async def run():
         generation_closed, on_close_called = asyncio.Event(), asyncio.Event()

@@ -14,7 +14,7 @@ from common.prefix_cache import PrefixCache
 from common.sampling import SamplingParams, SparseDistribution
 from common.sessions import SessionRegistry
 from coordinator.client import build_request
-from coordinator.http_api import usage_of
+from coordinator.http_responses import usage_of
 from coordinator.types import GenerationResult, TimeSplit
 from draft_worker.engine import DraftEngine
 from draft_worker.model_proposer import ModelProposer
