@@ -1,6 +1,6 @@
 """Errors the engines raise, and the one rule for what a caller is told of each: its gRPC status code, its HTTP
 status and its OpenAI error type (ERROR_STATUS). The engines know nothing of gRPC or HTTP: the gRPC servicers
-(common.grpc_errors) and the HTTP API (coordinator.http_api) both read the rule here."""
+(common.grpc_errors) and the HTTP API (coordinator.http_errors) both read the rule here."""
 
 import logging
 import uuid
