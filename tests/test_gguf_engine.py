@@ -438,3 +438,27 @@ def test_the_memory_left_is_the_least_of_the_machines_and_the_cgroups(monkeypatc
     assert memory.available_bytes() == 600000
     (tmp_path / "memory.max").write_text("max\n")  # no limit: the machine's MemAvailable
     assert memory.available_bytes() > 600000
+
+
+@pytest.mark.parametrize("k", [64, 576, 1536])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_0"])
+def test_column_tile_kernels_match_the_reference_and_every_row_count_bit_for_bit(qtype, k):
+    """Q4_1, Q8_0 and Q5_0 run in tiles of 8 output columns (kernel_columns.h): fused with the weights' unpacking up
+    to 4 rows, from an unpacked tile in groups of 4 rows beyond. Fewer than 8 groups of 32 (k = 64), a group count
+    that is not a multiple of 8 (576), a partial last tile (37 columns) and prefill row counts: each row's bits are
+    its own alone, and the products match the float64 reference."""
+    n = 37
+    qt = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(np.random.default_rng(5).standard_normal((n, k), dtype=np.float32), qt)
+    weight = formats.pack(raw, qt, n, k)
+    layer = QuantizedLinear(weight)
+    x = torch.randn(131, k, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(131)])
+    for rows in (2, 3, 4, 5, 7, 8, 9, 64, 131):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+    order = torch.randperm(131, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(layer(x[order]), alone[order])
+    codes, scales = kernels().quantize_activations(x, 32)
+    x_quantized = (codes.double().reshape(131, -1, 32) * scales.double()[..., None]).reshape(131, -1)
+    exact = x_quantized @ formats.dequantize(weight).T
+    assert (alone.double() - exact).abs().max() <= 1e-5 * exact.abs().max()

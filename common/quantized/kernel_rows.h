@@ -259,61 +259,9 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
     acc.store(out, n);
 }
 
-// ---- Q4_1: 4-bit codes (layout as Q4_K's), per 32: d and m; w = d * code + m ----------------------------------
+// ---- Q4_1, Q8_0 and Q5_0: one scale per 32 weights, in column tiles (kernel_columns.h) ------------------------
 
-
-template <int R>
-void q41_rows(const Q41& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
-    const int64_t groups = w.k / 32;
-    const uint8_t* codes = w.codes + n * (w.k / 2);
-    const uint8_t* ahead = codes + prefetch_rows(w.k / 2) * (w.k / 2);  // the same group, rows further on
-    const float* d = w.d + n * groups;
-    const float* m = w.m + n * groups;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc[R];
-    float acc_min[R];
-    for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_min[r] = 0.f; }
-    for (int64_t c = 0; c < groups / 2; ++c) {
-        prefetch(ahead + c * 32, 32);
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + c * 32));
-        const __m256i half[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
-        for (int h = 0; h < 2; ++h) {
-            const int64_t g = 2 * c + h;
-            for (int r = 0; r < R; ++r) {
-                const int8_t* aq = a.row_q(rows[r]) + g * 32;
-                const float as = a.row_scale(rows[r])[g];
-                const __m256i p = dot4(half[h], _mm256_loadu_si256((const __m256i*)aq));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[g] * as), acc[r]);
-                acc_min[r] += (m[g] * as) * (float)a.row_sums(rows[r])[g];
-            }
-        }
-    }
-    for (int r = 0; r < R; ++r) out[r][n] = hsum_f32(acc[r]) + acc_min[r];
-}
-
-// ---- Q8_0 and Q5_0: int8 codes, per 32: d; w = d * code ----------------------------------------------------------
-
-
-template <int R>
-void q80_rows(const Q80& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
-    const int64_t groups = w.k / 32;
-    const int8_t* codes = w.codes + n * w.k;
-    const int8_t* ahead = codes + prefetch_rows(w.k) * w.k;  // the same group, rows further on
-    const float* d = w.d + n * groups;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-        prefetch(ahead + g * 32, 32);
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + g * 32));
-        const __m256i magnitude = _mm256_sign_epi8(v, v);  // maddubs takes its first operand unsigned
-        for (int r = 0; r < R; ++r) {
-            const __m256i aq = _mm256_loadu_si256((const __m256i*)(a.row_q(rows[r]) + g * 32));
-            const __m256i p = dot4(magnitude, _mm256_sign_epi8(aq, v));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[g] * a.row_scale(rows[r])[g]), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) out[r][n] = hsum_f32(acc[r]);
-}
+#include "kernel_columns.h"
 
 // ---- driver --------------------------------------------------------------------------------------------------
 
@@ -338,7 +286,8 @@ void q6k_tile(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* ro
     q6k_rows<R, N>(w, n, a, rows, out);
 }
 
-// Kernel<R>::run for each format and numerics (Q4_1, Q8_0 and Q5_0 have one numerics of their own).
+// Kernel<R>::run for each format and numerics (Q4_1, Q8_0 and Q5_0 have one numerics of their own, in
+// kernel_columns.h).
 template <class N>
 struct KernelsOf {
     template <int R> struct Q4K_ {
@@ -347,12 +296,6 @@ struct KernelsOf {
     template <int R> struct Q6K_ {
         static void run(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q6k_tile<R, N>(w, n, a, rows, out); }
     };
-};
-template <int R> struct Q41Kernel {
-    static void run(const Q41& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q41_rows<R>(w, n, a, rows, out); }
-};
-template <int R> struct Q80Kernel {
-    static void run(const Q80& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q80_rows<R>(w, n, a, rows, out); }
 };
 
 // The last rows - rows % kRowTile rows, in one tile of their own.
@@ -393,5 +336,9 @@ template <class N>
 void q4k(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<KernelsOf<N>::template Q4K_>(w, a, rows, n, y); }
 template <class N>
 void q6k(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<KernelsOf<N>::template Q6K_>(w, a, rows, n, y); }
-inline void q41(const Q41& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<Q41Kernel>(w, a, rows, n, y); }
-inline void q80(const Q80& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<Q80Kernel>(w, a, rows, n, y); }
+inline void q41(const Q41& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
+    column_matmul<Q41, Q41Columns>(w, a, rows, n, y, 8, &unpack_q41, &gather_q41);
+}
+inline void q80(const Q80& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
+    column_matmul<Q80, Q80Columns>(w, a, rows, n, y, 16, &unpack_q80, &gather_q80);
+}

@@ -23,7 +23,7 @@ SOURCE = Path(__file__).with_name("kernels.cpp")
 # Included by SOURCE.
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("kernel_rows.h", "kernel_wide_tiles.h", "kernel_amx.h", "decoder_ops.h", "decoder_layers.h")
+    for name in ("kernel_rows.h", "kernel_columns.h", "kernel_wide_tiles.h", "kernel_amx.h", "decoder_ops.h", "decoder_layers.h")
 ]
 NAME = "specdec_gguf_kernels"
 # Flags every AVX2 machine has, never -march=native: one cache directory (a Docker image, a shared volume) may

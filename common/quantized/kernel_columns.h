@@ -1,0 +1,324 @@
+// Column tiles for the formats with one scale per 32 weights (Q4_1, Q8_0, Q5_0), included by kernel_rows.h once per
+// instruction set. They replace the row kernels of these formats, which spent most of their time outside the integer
+// products: per 32 weights and activation row, one maddubs and one madd did the multiply-adds, and around them went
+// a conversion of 8 int32 lanes, a scalar multiply of the two scales and its broadcast, an 8-lane fused
+// multiply-add and a scalar chain for Q4_1's minimum (about 10 instructions for 32 multiply-adds: 16-32 % of the
+// int8 peak on the AVX2-only EPYC, whatever the row count).
+//
+// Here a tile is 8 output columns, one per int32 lane, as llama.cpp's repacked 8-column kernels (ggml-cpu's
+// repack.cpp) lay them out: the tile's weights are unpacked and transposed once per call, so that register j of a
+// 32-weight group holds weights 4j..4j+3 of each of the 8 columns, and the 4 activations k = 4j..4j+3 of a row are
+// broadcast to every lane. One maddubs then gives each column 4 products (in two int16 pair sums), the 8 registers
+// of a group add up, in int16 where the codes are small enough not to overflow, to each column's exact int32 total
+// of the group, and the float work is one conversion and two fused multiply-adds per group and row for 8 columns
+// at once (where the row kernels did one per column). One unpacking serves every row of the call.
+//
+// The numerics (the same for every row, row count, tile, batch-mate and instruction set: each column's float
+// operations run in its own lane, in the order of the groups, and integer sums are exact in any order):
+//   Q4_1  t_g = sum over the group's 32 weights of code * q (exact), s_g = sum of q (exact, QuantizedRows' sums);
+//         acc = fma(float(t_g), d_g * as_g, acc); acc = fma(m_g, as_g * float(s_g), acc), for g = 0, 1, ...
+//   Q8_0, Q5_0  acc = fma(float(t_g), d_g * as_g, acc).
+// (as_g: the row's activation scale of group g; the result is acc.)
+
+constexpr int kColumns = 8;     // output columns of a tile: one per int32 lane
+constexpr int kColumnRows = 4;  // activation rows computed together against one unpacked tile
+
+// r[j] <- column j of the 8 x 8 matrix of int32 elements whose row i is r[i].
+inline void transpose8x8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);      // elements 0, 1 | 4, 5 of rows 2i, 2i + 1
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);  // elements 2, 3 | 6, 7
+    }
+    for (int i = 0; i < 2; ++i) {
+        u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);      // element 0 | 4 of rows 4i..4i+3
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);      // 1 | 5
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);  // 2 | 6
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);  // 3 | 7
+    }
+    for (int j = 0; j < 4; ++j) {
+        r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        r[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+}
+
+// The 4 activation codes at p in every int32 lane.
+inline __m256i broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// One tile's weights, unpacked for the row loops (a buffer per thread, reused from tile to tile).
+struct ColumnTile {
+    int64_t groups;
+    std::vector<__m256i> codes;  // Q4_1: [group][j], 8 per group; Q8_0/Q5_0: [group][magnitudes j | codes j], 16
+    std::vector<float> d, m;     // [group][column]: the scales (and Q4_1's minimums) of the tile's columns
+    bool small = false;          // Q8_0/Q5_0: every |code| <= 16 (Q5_0 always): the int16 sums cannot overflow
+    const float* scaled_sums = nullptr;  // Q4_1: as_g * float(s_g) of every row and group of the call, [row][group]
+    ColumnTile(int64_t groups, int vectors) : groups(groups), codes(groups * vectors), d(groups * kColumns), m(groups * kColumns) {}
+};
+
+// out[g * 8 + i] = v[col[i] * groups + g]: a tile's per-group floats, column per lane, in 8 x 8 transposes (the
+// last one overlapping the one before where the groups are not a multiple of 8; fewer than 8 groups one by one).
+inline void gather_columns(const float* v, int64_t groups, const int64_t* col, float* out) {
+    if (groups < 8) {
+        for (int64_t g = 0; g < groups; ++g)
+            for (int i = 0; i < 8; ++i) out[g * kColumns + i] = v[col[i] * groups + g];
+        return;
+    }
+    for (int64_t next = 0; next < groups; next += 8) {
+        const int64_t g = std::min(next, groups - 8);
+        __m256i r[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_castps_si256(_mm256_loadu_ps(v + col[i] * groups + g));
+        transpose8x8(r);
+        for (int j = 0; j < 8; ++j) _mm256_storeu_si256((__m256i*)(out + (g + j) * kColumns), r[j]);
+    }
+}
+
+// Each weight row's group pair c of Q4_1 (32 bytes: weight i of group 2c in the low nibble of byte i, weight i of
+// group 2c + 1 in the high one) for the tile's columns col[0..7] (the last tile of a call repeats its last column
+// where it has fewer than 8), transposed: int32 lane i of r[j] holds bytes 4j..4j+3 of column i, whose low nibbles
+// are then group 2c's weights 4j..4j+3 and whose high ones group 2c + 1's. The next tile's lines are prefetched.
+inline void q41_codes(const Q41& w, const int64_t* col, int64_t c, __m256i r[8]) {
+    const int64_t groups = w.k / 32, bytes = w.k / 2;
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm256_loadu_si256((const __m256i*)(w.codes + col[i] * bytes + c * 32));
+        if (!(c & 1)) _mm_prefetch((const char*)(w.codes + (col[i] + kColumns) * bytes + c * 32), _MM_HINT_T0);
+    }
+    _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T0);
+    _mm_prefetch((const char*)(w.m + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T0);
+    transpose8x8(r);
+}
+
+// Q8_0's and Q5_0's int8 codes of group g, transposed as q41_codes's.
+inline void q80_codes(const Q80& w, const int64_t* col, int64_t g, __m256i r[8]) {
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm256_loadu_si256((const __m256i*)(w.codes + col[i] * w.k + g * 32));
+        if (!(g & 1)) _mm_prefetch((const char*)(w.codes + (col[i] + kColumns) * w.k + g * 32), _MM_HINT_T0);
+    }
+    if (!(g & 3)) _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * (w.k / 32)) + g * 16, _MM_HINT_T0);
+    transpose8x8(r);
+}
+
+// The whole tile unpacked, for calls of more rows than one row group: Q4_1's codes as bytes 0..15, 8 vectors per
+// group; Q8_0's and Q5_0's magnitudes |code| (maddubs takes its first operand unsigned) then the codes themselves
+// (whose signs go onto the activations), 16 vectors per group. The scales (and minimums) gathered by column.
+inline void unpack_q41(const Q41& w, const int64_t* col, ColumnTile& t) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t c = 0; c < t.groups / 2; ++c) {
+        __m256i r[8];
+        q41_codes(w, col, c, r);
+        for (int j = 0; j < 8; ++j) {
+            t.codes[(2 * c) * 8 + j] = _mm256_and_si256(r[j], low);
+            t.codes[(2 * c + 1) * 8 + j] = _mm256_and_si256(_mm256_srli_epi16(r[j], 4), low);
+        }
+    }
+}
+
+inline void unpack_q80(const Q80& w, const int64_t* col, ColumnTile& t) {
+    __m256i largest = _mm256_setzero_si256();
+    for (int64_t g = 0; g < t.groups; ++g) {
+        __m256i r[8];
+        q80_codes(w, col, g, r);
+        for (int j = 0; j < 8; ++j) {
+            const __m256i magnitude = _mm256_sign_epi8(r[j], r[j]);  // -128 -> 0x80, read as 128 by maddubs
+            largest = _mm256_max_epu8(largest, magnitude);
+            t.codes[g * 16 + j] = magnitude;
+            t.codes[g * 16 + 8 + j] = r[j];
+        }
+    }
+    // Small when no magnitude exceeds 16: min(largest, 16) == largest in every byte.
+    t.small = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_min_epu8(largest, _mm256_set1_epi8(16)), largest)) == -1;
+}
+
+inline void gather_q41(const Q41& w, const int64_t* col, ColumnTile& t) {
+    gather_columns(w.d, t.groups, col, t.d.data());
+    gather_columns(w.m, t.groups, col, t.m.data());
+}
+inline void gather_q80(const Q80& w, const int64_t* col, ColumnTile& t) { gather_columns(w.d, t.groups, col, t.d.data()); }
+
+// A tile's rows: their int8 codes, scales (one per group) and group sums.
+template <int R>
+struct GroupRows {
+    const int8_t* q[R];
+    const float* scale[R];
+    const float* scaled_sums[R];  // Q4_1 only
+    GroupRows(const QuantizedRows& a, int64_t first, const ColumnTile& t) {
+        for (int r = 0; r < R; ++r) {
+            q[r] = a.row_q(first + r);
+            scale[r] = a.row_scale(first + r);
+            scaled_sums[r] = t.scaled_sums ? t.scaled_sums + (first + r) * t.groups : nullptr;
+        }
+    }
+};
+
+template <int R>
+inline void store_columns(const __m256* acc, float** out, int64_t first, int64_t n0, int valid) {
+    for (int r = 0; r < R; ++r) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc[r]);
+        for (int i = 0; i < valid; ++i) out[first + r][n0 + i] = lanes[i];
+    }
+}
+
+// Q4_1, group g of R rows against one tile; codes(j): the group's weights 4j..4j+3 of each column, as bytes 0..15.
+// Per row r (lane i: column i):
+//   p      = sum over j < 8 of maddubs(codes(j), q[4j..4j+3] broadcast)   16 int16: column i's products in lanes
+//            2i, 2i + 1; each maddubs lane <= 2 * 15 * 127 = 3810, the 8 added <= 30480: no int16 overflow
+//   t      = madd(p, 1)                                                    column i's exact total in int32 lane i
+//   acc    = fma(float(t), d_g * as_g, acc)                                 the codes' term
+//   acc    = fma(m_g, as_g * float(s_g), acc)                               the minimums' term (s_g: sum of q;
+//                                                                           as_g * float(s_g) once per call)
+// 8 maddubs, 7 adds, a madd, a conversion, a multiply and two fused multiply-adds per 256 multiply-adds and row.
+template <int R, class Codes>
+inline void q41_group(Codes codes, const ColumnTile& t, const GroupRows<R>& x, int64_t g, __m256* acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i p[R];
+    {
+        const __m256i v = codes(0);
+        for (int r = 0; r < R; ++r) p[r] = _mm256_maddubs_epi16(v, broadcast4(x.q[r] + g * 32));
+    }
+    for (int j = 1; j < 8; ++j) {
+        const __m256i v = codes(j);
+        for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(v, broadcast4(x.q[r] + g * 32 + 4 * j)));
+    }
+    const __m256 d = _mm256_loadu_ps(&t.d[g * kColumns]), m = _mm256_loadu_ps(&t.m[g * kColumns]);
+    for (int r = 0; r < R; ++r) {
+        const float as = x.scale[r][g];
+        const __m256 total = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[r], ones));
+        acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(d, _mm256_set1_ps(as)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sums[r][g]), acc[r]);
+    }
+}
+
+// Q8_0 and Q5_0, group g of R rows against one tile; magnitude(j), codes(j): |code| and code of the group's weights
+// 4j..4j+3 of each column. Per row r (lane i: column i):
+//   p_j    = maddubs(magnitude(j), sign(q[4j..4j+3] broadcast, codes(j)))  column i's 4 products, in int16 lanes
+//   t      = sum over j < 8 of madd(p_j, 1)                                  2i, 2i + 1 (each <= 2 * 128 * 127)
+//            (kSmall, every |code| <= 16: madd(sum over j of p_j, 1), the int16 sum <= 8 * 2 * 16 * 127 = 32512)
+//   acc    = fma(float(t), d_g * as_g, acc)
+// The integer total is exact either way, so the two paths give the same bits.
+template <int R, bool kSmall, class Magnitude, class Codes>
+inline void q80_group(Magnitude magnitude, Codes codes, const ColumnTile& t, const GroupRows<R>& x, int64_t g, __m256* acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+        const __m256i u = magnitude(j), s = codes(j);
+        for (int r = 0; r < R; ++r) {
+            const __m256i p = _mm256_maddubs_epi16(u, _mm256_sign_epi8(broadcast4(x.q[r] + g * 32 + 4 * j), s));
+            sum[r] = kSmall ? _mm256_add_epi16(sum[r], p) : _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, ones));
+        }
+    }
+    const __m256 d = _mm256_loadu_ps(&t.d[g * kColumns]);
+    for (int r = 0; r < R; ++r) {
+        const __m256i total = kSmall ? _mm256_madd_epi16(sum[r], ones) : sum[r];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r][g])), acc[r]);
+    }
+}
+
+// Rows first..first+R-1 against one tile. Unpacked: the tile's codes from its buffer (unpack_q41, unpack_q80).
+// Fused (a call of at most one row group, where one unpacking would serve only these rows): each group's codes
+// transposed and used at once, never stored.
+template <int R> struct Q41Columns {
+    static void unpacked(const Q41&, const int64_t*, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
+        const GroupRows<R> x(a, first, t);
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < t.groups; ++g) {
+            const __m256i* w = &t.codes[g * 8];
+            q41_group<R>([w](int j) { return _mm256_load_si256(w + j); }, t, x, g, acc);
+        }
+        store_columns<R>(acc, out, first, n0, valid);
+    }
+    static void fused(const Q41& w, const int64_t* col, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
+        const GroupRows<R> x(a, first, t);
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < t.groups / 2; ++c) {
+            __m256i v[8];
+            q41_codes(w, col, c, v);
+            q41_group<R>([&](int j) { return _mm256_and_si256(v[j], low); }, t, x, 2 * c, acc);
+            q41_group<R>([&](int j) { return _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low); }, t, x, 2 * c + 1, acc);
+        }
+        store_columns<R>(acc, out, first, n0, valid);
+    }
+};
+
+template <int R> struct Q80Columns {
+    template <bool kSmall>
+    static void unpacked_as(const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
+        const GroupRows<R> x(a, first, t);
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < t.groups; ++g) {
+            const __m256i* w = &t.codes[g * 16];
+            q80_group<R, kSmall>([w](int j) { return _mm256_load_si256(w + j); }, [w](int j) { return _mm256_load_si256(w + 8 + j); }, t, x, g, acc);
+        }
+        store_columns<R>(acc, out, first, n0, valid);
+    }
+    static void unpacked(const Q80&, const int64_t*, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
+        if (t.small) unpacked_as<true>(t, a, first, out, n0, valid);
+        else unpacked_as<false>(t, a, first, out, n0, valid);
+    }
+    static void fused(const Q80& w, const int64_t* col, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
+        const GroupRows<R> x(a, first, t);
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < t.groups; ++g) {
+            __m256i v[8];
+            q80_codes(w, col, g, v);
+            q80_group<R, false>([&](int j) { return _mm256_sign_epi8(v[j], v[j]); }, [&](int j) { return v[j]; }, t, x, g, acc);
+        }
+        store_columns<R>(acc, out, first, n0, valid);
+    }
+};
+
+// Every output column for every row: tiles of 8 columns split over the threads. A call of up to kColumnRows rows
+// runs each tile fused; a longer one unpacks each tile once, then runs its rows in groups of kColumnRows (the last
+// 1-3 rows in one smaller group). Each output's operations are those above whichever path, group or tile it is in.
+template <class W, template <int> class Rows, class Unpack, class Gather>
+void column_matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base, int vectors, Unpack unpack, Gather gather) {
+    const int64_t tiles = (out_features + kColumns - 1) / kColumns;
+    const bool fused = rows <= kColumnRows;
+    const int64_t groups = w.k / 32;
+    std::vector<float> scaled_sums;
+    if constexpr (std::is_same_v<W, Q41>) {
+        scaled_sums.resize(rows * groups);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t g = 0; g < groups; ++g) scaled_sums[r * groups + g] = a.row_scale(r)[g] * (float)a.row_sums(r)[g];
+    }
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        ColumnTile t(groups, fused ? 0 : vectors);
+        t.scaled_sums = scaled_sums.empty() ? nullptr : scaled_sums.data();
+        std::vector<float*> out(rows);
+        for (int64_t r = 0; r < rows; ++r) out[r] = base + r * out_features;
+        for (int64_t tile = begin; tile < end; ++tile) {
+            const int64_t n0 = tile * kColumns;
+            const int valid = (int)std::min<int64_t>(kColumns, out_features - n0);
+            int64_t col[kColumns];
+            for (int i = 0; i < kColumns; ++i) col[i] = std::min(n0 + i, out_features - 1);
+            gather(w, col, t);
+            if (fused) {
+                switch (rows) {
+                    case 4: Rows<4>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
+                    case 3: Rows<3>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
+                    case 2: Rows<2>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
+                    default: Rows<1>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
+                }
+                continue;
+            }
+            unpack(w, col, t);
+            int64_t r = 0;
+            for (; r + kColumnRows <= rows; r += kColumnRows) Rows<kColumnRows>::unpacked(w, col, t, a, r, out.data(), n0, valid);
+            switch (rows - r) {
+                case 3: Rows<3>::unpacked(w, col, t, a, r, out.data(), n0, valid); break;
+                case 2: Rows<2>::unpacked(w, col, t, a, r, out.data(), n0, valid); break;
+                case 1: Rows<1>::unpacked(w, col, t, a, r, out.data(), n0, valid); break;
+                default: break;
+            }
+        }
+    });
+}
