@@ -9,7 +9,8 @@
 // weights, never an accumulator, and threads split the output columns, never the sum. A row's result is
 // therefore bit-identical alone, in a call of any row count and beside any other rows. Integer sums are exact,
 // so the AVX2, VNNI and AMX paths of a format agree bit for bit too (the row kernels are in kernel_rows.h, the
-// tiles in kernel_amx.h; Q4_K and Q6_K have two float numerics, see Lanes and Totals below).
+// column tiles of Q4_1, Q8_0 and Q5_0 in kernel_columns.h, the AMX tiles in kernel_amx.h; Q4_K and Q6_K have two
+// float numerics, see Lanes and Totals below).
 //
 // Compiled with -ffp-contract=off: the compiler must not fuse the scalar multiply-adds differently in the
 // instantiations for different row tiles.
