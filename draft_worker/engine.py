@@ -11,7 +11,7 @@ from opentelemetry.context import Context
 
 from common.batcher import run_alone
 from common.config import DraftWorkerConfig
-from common.errors import FailedPrecondition, InvalidArgument
+from common.errors import InvalidArgument
 from common.memory import kv_token_budget
 from common.protocol import worker_info
 from common.rounds import Proposal
@@ -21,7 +21,7 @@ from common.telemetry import tracer
 from common.timing import elapsed_us
 from common.validation import MAX_TOKEN_ID, check_count, check_sampling, check_sampling_tokens
 from common.wire_limits import MAX_Q_ENTRIES, MAX_STEP_TOKENS
-from common.worker_metrics import WorkerMetrics
+from common.worker_engine import WorkerEngine
 from draft_worker.proposer import DraftState, Proposer
 
 
@@ -48,7 +48,7 @@ class DraftCall:
     queue_us: int = 0
 
 
-class DraftEngine:
+class DraftEngine(WorkerEngine[DraftSessionHandle]):
     """Serves one proposer (a draft model, prompt lookup, suffix trees, or a hybrid) to many sessions."""
 
     def __init__(
@@ -65,8 +65,7 @@ class DraftEngine:
         self.name = name
         self.default_max_q_entries = default_max_q_entries
         budget = max_kv_tokens or kv_token_budget(proposer.kv_bytes_per_token, proposer.device)
-        self.sessions: SessionRegistry[DraftSessionHandle] = SessionRegistry(max_sessions, budget, proposer.prefixes)
-        self.metrics = WorkerMetrics("draft", self.sessions)
+        super().__init__("draft", SessionRegistry(max_sessions, budget, proposer.prefixes))
 
     @property
     def forward_costs(self) -> list[tuple[int, float]]:
@@ -82,13 +81,12 @@ class DraftEngine:
         check_sampling_tokens(params, prompt, self.proposer.vocab_size or MAX_TOKEN_ID, "start.sampling")
         check_count(max_q_entries, MAX_Q_ENTRIES, "start.max_q_entries")
         reservation = session_reservation(max_tokens, len(prompt), self.proposer.max_context_length)
-        session_id = self.sessions.reserve(reservation)
-        try:
-            state = self.proposer.open(prompt, params, max_q_entries or self.default_max_q_entries, reservation)
-        except BaseException:
-            self.sessions.release(session_id)
-            raise
-        return DraftSessionHandle(session_id, state)
+        return self.reserve(
+            reservation,
+            lambda session_id: DraftSessionHandle(
+                session_id, self.proposer.open(prompt, params, max_q_entries or self.default_max_q_entries, reservation)
+            ),
+        )
 
     def prefill_chunk(self, handle: DraftSessionHandle) -> bool:
         """Prefills the next max_prefill_tokens of the session's prompt (a pass of its own, between the batched
@@ -103,15 +101,6 @@ class DraftEngine:
         handle.prefill_us += elapsed_us(start)
         self.metrics.record_forward("prefill", time.perf_counter() - start)
         return done
-
-    def finish_opening(self, handle: DraftSessionHandle) -> None:
-        """Adds the prefilled session; FailedPrecondition when its reservation was released meanwhile."""
-        if not self.sessions.add(handle.session_id, handle):
-            raise FailedPrecondition("the opening was abandoned")
-
-    def abandon(self, handle: DraftSessionHandle) -> None:
-        """Frees a session whose opening failed or was cancelled, prefilled or not."""
-        self.sessions.release(handle.session_id)
 
     def open_session(
         self, prompt: list[int], params: SamplingParams, max_q_entries: int = 0, max_tokens: int = 0
@@ -134,10 +123,12 @@ class DraftEngine:
         """One session's step on its own (a batch of one)."""
         return run_alone(self.step_batch, DraftCall(handle, num_accepted, committed, num_tokens, assume_accepted))
 
+    def check_call(self, call: "DraftCall") -> None:
+        self.check_step(call)
+
     def check_step(self, call: "DraftCall") -> None:
-        handle, state = call.handle, call.handle.state
-        if handle.session_id not in self.sessions.sessions:
-            raise FailedPrecondition("the session is closed")
+        state = call.handle.state
+        self.require_open(call.handle)
         if not 0 <= call.num_accepted <= len(state.chain):
             raise InvalidArgument("step.num_accepted", f"must be in [0, {len(state.chain)}], got {call.num_accepted}")
         if call.num_accepted and not call.committed:
@@ -155,36 +146,14 @@ class DraftEngine:
         """Applies each session's previous outcome (crop the rejected drafts, append committed), then proposes for
         all of them: the k-th forward pass of every model session runs as one batch. A call that fails its checks
         gets its error; the others still run."""
-        results: list[Proposal | Exception | None] = [None] * len(calls)
-        ready = []
-        for i, call in enumerate(calls):
-            try:
-                self.check_step(call)
-                ready.append(i)
-            except Exception as error:  # noqa: BLE001 - one bad message fails its own stream only
-                results[i] = error
-        spans = {}
-        for i in ready:
-            call = calls[i]
-            call.handle.last_active = time.monotonic()
-            with tracer().start_as_current_span(
-                "kv.rollback", context=call.parent, attributes={"specdec.worker": "draft", "specdec.accepted": call.num_accepted}
-            ):
-                sync_start = time.perf_counter()
-                if call.committed:  # else no verdict to apply: keep building on the chain
-                    self.proposer.observe(call.handle.state, call.num_accepted, call.committed)
-                call.sync_us = elapsed_us(sync_start)
-            self.metrics.record_rollback(call.sync_us / 1e6)
-            spans[i] = tracer().start_span(
-                "draft.propose",
-                context=call.parent,
-                attributes={"specdec.gamma": call.num_tokens, "specdec.assume_accepted": call.assume_accepted},
-            )
+        return self.run_checked(calls, lambda ready, results: self.propose(calls, ready, results))
+
+    def propose(self, calls: list["DraftCall"], ready: list[int], results: list) -> None:
+        """The proposals of the calls that passed their checks (by their indices in ready), into results."""
+        spans = {i: self.observed(calls[i]) for i in ready}
         start = time.perf_counter()
         states = [calls[i].handle.state for i in ready]
-        proposals = (
-            self.proposer.propose(states, [(calls[i].num_tokens, calls[i].assume_accepted) for i in ready]) if ready else []
-        )
+        proposals = self.proposer.propose(states, [(calls[i].num_tokens, calls[i].assume_accepted) for i in ready])
         compute_us = elapsed_us(start)
         for i, proposal in zip(ready, proposals, strict=True):
             if isinstance(proposal, Exception):
@@ -203,13 +172,27 @@ class DraftEngine:
             )
             spans[i].end()
             results[i] = proposal
-        if ready:
-            self.metrics.record_forward("propose", compute_us / 1e6)
-        return results
+        self.metrics.record_forward("propose", compute_us / 1e6)
 
-    def close_session(self, handle: DraftSessionHandle) -> None:
-        if self.sessions.remove(handle.session_id):
-            self.proposer.close(handle.state)
+    def observed(self, call: "DraftCall"):
+        """Applies the call's previous outcome to its session (the rollback); the span of its proposal, started."""
+        call.handle.last_active = time.monotonic()
+        with tracer().start_as_current_span(
+            "kv.rollback", context=call.parent, attributes={"specdec.worker": "draft", "specdec.accepted": call.num_accepted}
+        ):
+            sync_start = time.perf_counter()
+            if call.committed:  # else no verdict to apply: keep building on the chain
+                self.proposer.observe(call.handle.state, call.num_accepted, call.committed)
+            call.sync_us = elapsed_us(sync_start)
+        self.metrics.record_rollback(call.sync_us / 1e6)
+        return tracer().start_span(
+            "draft.propose",
+            context=call.parent,
+            attributes={"specdec.gamma": call.num_tokens, "specdec.assume_accepted": call.assume_accepted},
+        )
+
+    def closed(self, handle: DraftSessionHandle) -> None:
+        self.proposer.close(handle.state)
 
     def info(self) -> dict:
         proposer = self.proposer
