@@ -6,7 +6,9 @@ PROTO_SRC := $(wildcard protos/specdec/v1/*.proto)
 
 .PHONY: demo test test-quick protos up clean
 
-$(STAMP): pyproject.toml common/model_files.py common/quantized/kernels.cpp common/quantized/kernel_rows.h common/quantized/kernel_wide_tiles.h common/quantized/kernel_amx.h common/quantized/decoder_ops.h common/quantized/decoder_layers.h
+KERNEL_SRC := common/quantized/kernels.cpp $(wildcard common/quantized/*.h)
+
+$(STAMP): pyproject.toml common/model_files.py $(KERNEL_SRC)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first, so that no dependency pulls a CUDA build.

@@ -9,6 +9,7 @@ session starts from a deep copy of the compiled matcher.
 """
 
 import functools
+import json
 import threading
 from collections import OrderedDict
 
@@ -28,11 +29,40 @@ GRAMMAR_LIMITS = dict(
 COMPILED_CACHE_SIZE = 64
 
 
+# Keywords whose values map names to subschemas, and keywords left as they are: data (an object schema written in
+# one is a value) and `not` (closing an object inside it would widen what the schema allows, not narrow it).
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "required", "not", "x-guidance"})
+
+
+def closed_objects(schema):
+    """The schema with additionalProperties false on every object schema that lists properties and says nothing of
+    others, as xgrammar, outlines and llama.cpp's converter read a schema: the output holds the fields asked for and
+    then ends (under JSON Schema's own default a model may add fields until max_tokens; a Pydantic model's schema
+    leaves additionalProperties out). An object schema without properties stays open: {"type": "object"} is any object."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        else:
+            closed[key] = value if key in DATA_KEYWORDS else closed_objects(value)
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
 def grammar_of_schema(schema: dict | str, lenient: bool = False, field: str = "constraint.json_schema") -> str:
-    """A JSON schema as a grammar. lenient: keywords llguidance does not implement are ignored rather than refused
-    (OpenAI's non-strict mode)."""
+    """A JSON schema as a grammar, its objects closed (closed_objects). lenient: keywords llguidance does not
+    implement are ignored rather than refused (OpenAI's non-strict mode)."""
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"lenient": True} if lenient else None)
+        parsed = json.loads(schema) if isinstance(schema, str) else schema
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            closed_objects(parsed), overrides={"lenient": True} if lenient else None
+        )
     except (ValueError, TypeError) as error:
         raise InvalidArgument(field, f"not a JSON schema object: {error}") from None
 

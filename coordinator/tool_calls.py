@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 from common.errors import InvalidArgument
+from common.grammar import closed_objects
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CALL_PATTERN = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -55,7 +56,7 @@ def check_tools(tools: list, tool_choice, field: str = "tools") -> tuple[list[di
 def call_schema(function: dict) -> dict:
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": function["parameters"]},
+        "properties": {"name": {"const": function["name"]}, "arguments": closed_objects(function["parameters"])},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

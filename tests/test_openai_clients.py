@@ -25,6 +25,9 @@ pytestmark = pytest.mark.slow  # loads the 1.5B pair and generates with it (minu
 
 MODEL = "qwen2.5-coder-1.5b"
 OFF = {"num_speculative_tokens": 0}
+# Speculation on at a fixed gamma: auto lets the cost model price drafting out on a machine whose speeds say so,
+# and a test that proves equality must see drafted tokens on any machine.
+ON = {"num_speculative_tokens": 4}
 DRAFTED = re.compile(r"^specdec_speculation_drafted_tokens_total(\{[^}]*\})? (\S+)$", re.MULTILINE)
 
 
@@ -65,9 +68,9 @@ def service(tmp_path_factory):
 
 
 def speculated_and_alone(service: Service, run, label: str = ""):
-    """run(extra_body) twice: with speculation (the drafted-tokens counter must grow) and with it off (it must not)."""
+    """run(extra_body) twice: with speculation at gamma 4 (the drafted-tokens counter must grow) and with it off (it must not)."""
     before = service.drafted()
-    speculated = run({})
+    speculated = run(dict(ON))
     middle = service.drafted()
     alone = run(dict(OFF))
     drafted, drafted_alone = middle - before, service.drafted() - middle
@@ -99,8 +102,11 @@ def test_the_official_sdk(service):
     def chat(extra, **options):
         return client.chat.completions.create(model=MODEL, temperature=0, extra_body=extra, **options)
 
-    # logprobs
-    messages = [{"role": "user", "content": "Write a Python one-liner that reverses a string s."}]
+    # logprobs, on an edit whose answer quotes the prompt: prompt lookup then has something to draft on whatever
+    # CPU (and so whatever rounding) the answer comes from
+    code = "def total(items):\n    result = 0\n    for item in items:\n        result = result + item\n    return result"
+    edit = f"Rename the variable result to acc in this Python function and reply with the code only:\n\n{code}"
+    messages = [{"role": "user", "content": edit}]
     spec, off, _ = speculated_and_alone(
         service, lambda x: chat(x, messages=messages, max_tokens=32, logprobs=True, top_logprobs=3), "sdk logprobs"
     )
@@ -143,22 +149,24 @@ def test_the_official_sdk(service):
     assert spec.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert Weather.model_validate_json(call.function.arguments).city == "Oslo"
     assert call.function.arguments == off.choices[0].message.tool_calls[0].function.arguments
-    stream = chat({}, messages=ASK_WEATHER, max_tokens=60, stream=True, **tools)
+    stream = chat(dict(ON), messages=ASK_WEATHER, max_tokens=60, stream=True, **tools)
     deltas = [d for chunk in stream for d in (chunk.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == "get_weather" and len(deltas) > 3
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
-    # n: distinct choices with their own seeds, the same again with the same seed
-    def sample(x):
+    # n: distinct choices with their own seeds, the same again with the same seed; each choice speculates
+    def sample(messages, max_tokens):
         return client.chat.completions.create(
-            model=MODEL, messages=messages, n=3, seed=5, temperature=1.0, max_tokens=16, extra_body=x
+            model=MODEL, messages=messages, n=3, seed=5, temperature=1.0, max_tokens=max_tokens, extra_body=ON
         )
 
-    before = service.drafted()
-    three, again = sample({}), sample({})
-    assert service.drafted() > before
+    open_question = [{"role": "user", "content": "Write a Python one-liner that reverses a string s."}]
+    three, again = sample(open_question, 16), sample(open_question, 16)
     texts = [c.message.content for c in sorted(three.choices, key=lambda c: c.index)]
     assert len(set(texts)) == 3 and texts == [c.message.content for c in sorted(again.choices, key=lambda c: c.index)]
+    before = service.drafted()
+    edits = sample(messages, 40)
+    assert len(edits.choices) == 3 and service.drafted() > before
 
 
 def test_instructor(service):
@@ -206,7 +214,7 @@ def test_langchain_openai(service):
     (call,) = spec.tool_calls
     assert call["name"] == "Weather" and Weather.model_validate(call["args"]).city == "Oslo"
     assert [(c["name"], c["args"]) for c in off.tool_calls] == [(call["name"], call["args"])]
-    chunks = list(llm({}).bind_tools([Weather], tool_choice="Weather", parallel_tool_calls=False).stream(question))
+    chunks = list(llm(dict(ON)).bind_tools([Weather], tool_choice="Weather", parallel_tool_calls=False).stream(question))
     assert len([c for c in chunks if c.tool_call_chunks]) > 3  # the arguments came in pieces
     merged = chunks[0]
     for chunk in chunks[1:]:
@@ -304,7 +312,7 @@ def test_lm_evaluation_harness(service, tmp_path):
     pytest.importorskip("lm_eval")
     write_tasks(tmp_path)
     before = service.drafted()
-    speculated = lm_eval(service, tmp_path, tmp_path / "speculated")
+    speculated = lm_eval(service, tmp_path, tmp_path / "speculated", gen_kwargs="num_speculative_tokens=4")
     drafted = service.drafted() - before
     middle = service.drafted()
     alone = lm_eval(service, tmp_path, tmp_path / "alone", gen_kwargs="num_speculative_tokens=0")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.errors import InvalidArgument
-from common.grammar import grammar_of_schema, vocabulary_of
+from common.grammar import closed_objects, grammar_of_schema, vocabulary_of
 from common.models import load_model, load_tokenizer
 from common.rounds import DraftSource
 from common.sampling import SamplingParams, logits_to_probs
@@ -205,3 +205,42 @@ def test_a_special_token_is_allowed_only_where_the_matcher_can_take_it():
     named = vocabulary.matcher(llguidance.LLMatcher.grammar_from_lark(f'start: <[{start}]> "x"'), "grammar")
     assert named.allowed()[start] and named.consume([start]) == 1
     assert tag("<|im_start|>", tokenizer) == f"<[{start}]>" and tag("<tool_call>", tokenizer) == '"<tool_call>"'
+
+
+def allowed_after(tokenizer, schema: dict, text: str) -> set[str]:
+    """The characters a schema's matcher allows after the output text (a byte-level vocabulary: id 1 + b is b)."""
+    vocabulary = vocabulary_of(tokenizer, MASK_VOCAB + 64)
+    matcher = vocabulary.matcher(grammar_of_schema({"x-guidance": {"whitespace_flexible": False}, **schema}), "schema")
+    assert matcher.consume([1 + b for b in text.encode()]) == len(text)
+    return {chr(i - 1) for i in torch.nonzero(matcher.allowed()).flatten().tolist() if i > 0}
+
+
+def test_an_object_schema_silent_on_other_fields_allows_only_its_own(pair):
+    """As xgrammar and llama.cpp read a schema (a Pydantic model's leaves additionalProperties out): once its
+    fields are written the object can only end, at any depth, so a model cannot add fields until max_tokens."""
+    target, _ = pair
+    inner = {"type": "object", "properties": {"c": {"type": "integer"}}, "required": ["c"]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": inner}, "required": ["a", "b"]}
+    assert allowed_after(target.tokenizer, schema, '{"a":1,"b":{"c":2') == set("0123456789}")
+    assert allowed_after(target.tokenizer, schema, '{"a":1,"b":{"c":2}') == {"}"}
+    # An object schema that lists no properties is any object, and one that allows others keeps allowing them.
+    assert "," in allowed_after(target.tokenizer, {"type": "object"}, '{"a":1')
+    assert "," in allowed_after(target.tokenizer, {**schema, "additionalProperties": True}, '{"a":1,"b":{"c":2}')
+
+
+def test_closing_objects_leaves_names_data_and_negations_as_written():
+    schema = {
+        "properties": {"properties": {"type": "object", "properties": {"x": {}}}, "const": {"const": {"properties": {}}}},
+        "$defs": {"d": {"properties": {}}},
+        "not": {"properties": {"y": {}}},
+        "anyOf": [{"properties": {}}, {"type": "string"}],
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False  # a field named "properties"
+    assert "additionalProperties" not in closed["properties"]  # the map of names is not a schema
+    assert closed["properties"]["const"]["const"] == {"properties": {}}  # a value, not a schema
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert closed["not"] == {"properties": {"y": {}}}
+    assert closed["anyOf"][0]["additionalProperties"] is False and closed["anyOf"][1] == {"type": "string"}
+    assert schema["$defs"]["d"] == {"properties": {}}  # the caller's schema is not changed
