@@ -126,6 +126,11 @@ case "${1:-up}" in
     up)
         build
         docker compose up -d --wait
+        # Compose can report a container it could not create and still exit 0: trust the containers' health.
+        for service in target-worker draft-worker coordinator; do
+            health=$(docker inspect -f '{{.State.Health.Status}}' "specdec-$service-1" 2>/dev/null || echo absent)
+            [ "$health" = healthy ] || { log "the $service container is $health: docker compose logs $service"; exit 1; }
+        done
         log "serving: gRPC 127.0.0.1:50051, OpenAI API http://127.0.0.1:8000/v1, traces http://127.0.0.1:6006"
         ;;
     down)
