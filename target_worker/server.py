@@ -70,7 +70,8 @@ class TargetServicer(SessionStreamServicer):
         call = VerifyCall(session, list(step.draft_token_ids), dists, self.parent(request))
         waited_us = await self.ahead_of(session)
         if session.ahead is not None and not call.draft_tokens:
-            verdict = self.engine.verify(session, [], [])  # scored ahead: decided here, at once, with no pass
+            # Scored ahead: decided at once with no pass, on the compute thread like every engine call.
+            verdict = await self.run(request, self.engine.verify, session, [], [])
         else:
             verdict = await self.batcher.submit(call)
         verdict.ahead_us = max(0, verdict.ahead_us - waited_us)

@@ -4,6 +4,7 @@ verdict it would have got in one pass (on the gguf engine, whose rows are the sa
 and its worker refuses), and a stream that ends while its pass runs ahead frees its session."""
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -103,9 +104,13 @@ def test_decode_ahead_is_refused_naming_the_field_where_a_rows_logits_depend_on_
 
 
 def test_target_only_and_prompt_lookup_decode_ahead_through_grpc_with_the_same_output(smollm2):
+    decided_on = []  # the threads that took a verdict decided from rows scored ahead (TargetEngine.verify)
+
     async def generate_all(config: CoordinatorConfig):
         outputs = []
         target = TargetEngine(smollm2, calibrate=False)
+        verify = target.verify
+        target.verify = lambda *args: decided_on.append(threading.current_thread().name) or verify(*args)
         async with running_services(target, draft_engine_for({}, "ngram"), config) as services:
             for prompt in PROMPTS:
                 for gamma, seed in [(0, None), (-1, None), (0, 5)]:
@@ -123,6 +128,8 @@ def test_target_only_and_prompt_lookup_decode_ahead_through_grpc_with_the_same_o
     # every request: here the three services share one event loop and one GIL, and a pass queued ahead starts only
     # once the loop goes idle, which can be after the coordinator has already sent the next step (nothing hidden).
     assert sum(hidden for _, hidden in ahead) > 0 and not any(hidden for _, hidden in plain)
+    # Like every engine call, never on the event loop: one thread runs the engine (common.session_stream).
+    assert decided_on and all(name.startswith("compute") for name in decided_on), set(decided_on)
 
 
 def test_a_request_that_stops_while_its_target_decodes_ahead_frees_its_session(smollm2):
