@@ -101,7 +101,7 @@ def test_the_local_override_uses_the_hosts_network_only_and_keeps_everything_els
 
 def test_health_checks_are_frequent_only_while_a_service_starts():
     """Each check is a process started in the container, taking CPU from the model: every 2 s while starting, every
-    30 s once healthy (docs/docker.md measured the containers at 0.71x `specdec up` with checks every 2 s)."""
+    30 s once healthy (docs/docker.md measures what checks every 2 s cost the containers)."""
     services = compose_config("compose.yaml")["services"]
     for name in (*WORKERS, "coordinator"):
         check = services[name]["healthcheck"]
