@@ -462,3 +462,60 @@ def test_column_tile_kernels_match_the_reference_and_every_row_count_bit_for_bit
     x_quantized = (codes.double().reshape(131, -1, 32) * scales.double()[..., None]).reshape(131, -1)
     exact = x_quantized @ formats.dequantize(weight).T
     assert (alone.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+# Bytes of one superblock of 256 weights, and where its float16 scales (d, then Q4_K's dmin) sit in it.
+K_QUANT_BLOCKS = {"Q4_K": (144, slice(0, 4)), "Q6_K": (210, slice(208, 210))}
+
+
+def random_k_quant(qtype: str, n: int, k: int, seed: int) -> formats.PackedWeight:
+    """n x k weights as Q4_K or Q6_K blocks of random codes and sub-block scales (every value the format holds),
+    with superblock scales of a real model's size."""
+    rng = np.random.default_rng(seed)
+    size, halves = K_QUANT_BLOCKS[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    count = (halves.stop - halves.start) // 2
+    scales = rng.uniform(1e-3, 1e-2, size=(n, k // 256, count)).astype(np.float16)
+    blocks[..., halves] = scales.view(np.uint8).reshape(n, k // 256, 2 * count)
+    return formats.pack(blocks.reshape(n, -1), gguf.GGMLQuantizationType[qtype], n, k)
+
+
+@contextlib.contextmanager
+def column_tiles(on: bool):
+    ops = kernels()
+    own = ops.column_tiles()
+    ops.set_column_tiles(on)
+    try:
+        yield
+    finally:
+        ops.set_column_tiles(own)
+
+
+@pytest.mark.parametrize("k", [256, 2048, 8960])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_avx2_k_quant_tiles_give_the_row_kernels_bits_at_every_row_count(qtype, k):
+    """On AVX2, Q4_K and Q6_K run in tiles of 8 output columns in the totals numerics (a step in the file's layout,
+    more rows in column tiles, kernel_columns.h): one superblock, a superblock count that is a multiple of 8 and one
+    that is not (35), a partial last tile (37 columns), every path's row counts. Each row's bits are its own alone,
+    the same as the row kernels', and the products match the float64 reference."""
+    n, ops = 37, kernels()
+    layer = QuantizedLinear(random_k_quant(qtype, n, k, seed=k))
+    fmt = layer.kernel
+    x = torch.randn(131, k, generator=torch.Generator().manual_seed(8))
+    with kernel_settings("avx2", "totals"):
+        with column_tiles(True):
+            assert all(ops.product_kernel(fmt, rows) == "avx2 columns" for rows in (1, 4, 5, 131))
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(131)])
+            for rows in (2, 3, 4, 5, 7, 8, 9, 64, 131):
+                assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+            order = torch.randperm(131, generator=torch.Generator().manual_seed(9))
+            assert torch.equal(layer(x[order]), alone[order])
+        with column_tiles(False):
+            assert ops.product_kernel(fmt, 5) == "avx2 rows"
+            for rows in (1, 3, 5, 131):
+                assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows on the row kernels"
+    codes, scales = ops.quantize_activations(x, 256)
+    x_quantized = (codes.double().reshape(131, -1, 256) * scales.double()[..., None]).reshape(131, -1)
+    exact = x_quantized @ formats.dequantize(layer.packed).T
+    assert (alone.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert not torch.equal(alone[0], alone[1])

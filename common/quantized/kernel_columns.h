@@ -53,7 +53,9 @@ inline __m256i broadcast4(const int8_t* p) {
 struct ColumnTile {
     int64_t groups;
     std::vector<__m256i> codes;  // Q4_1: [group][j], 8 per group; Q8_0/Q5_0: [group][magnitudes j | codes j], 16
-    std::vector<float> d, m;     // [group][column]: the scales (and Q4_1's minimums) of the tile's columns
+    std::vector<float> d, m;     // [group][column]: the scales (and Q4_1's minimums) of the tile's columns;
+                                 // Q4_K: [superblock][column], d and dmin
+    std::vector<__m256i> scales; // Q4_K: [superblock][12], q4k_scales's sub-block scales and minimums
     bool small = false;          // Q8_0/Q5_0: every |code| <= 16 (Q5_0 always): the int16 sums cannot overflow
     const float* scaled_sums = nullptr;  // Q4_1: as_g * float(s_g) of every row and group of the call, [row][group]
     ColumnTile(int64_t groups, int vectors) : groups(groups), codes(groups * vectors), d(groups * kColumns), m(groups * kColumns) {}
@@ -80,15 +82,21 @@ inline void gather_columns(const float* v, int64_t groups, const int64_t* col, f
 // group 2c + 1 in the high one) for the tile's columns col[0..7] (the last tile of a call repeats its last column
 // where it has fewer than 8), transposed: int32 lane i of r[j] holds bytes 4j..4j+3 of column i, whose low nibbles
 // are then group 2c's weights 4j..4j+3 and whose high ones group 2c + 1's. The next tile's lines are prefetched.
-inline void q41_codes(const Q41& w, const int64_t* col, int64_t c, __m256i r[8]) {
-    const int64_t groups = w.k / 32, bytes = w.k / 2;
+// Q4_K packs its codes the same way (nibble_codes, for either format).
+inline void nibble_codes(const uint8_t* codes, int64_t k, const int64_t* col, int64_t c, __m256i r[8]) {
+    const int64_t bytes = k / 2;
     for (int i = 0; i < 8; ++i) {
-        r[i] = _mm256_loadu_si256((const __m256i*)(w.codes + col[i] * bytes + c * 32));
-        if (!(c & 1)) _mm_prefetch((const char*)(w.codes + (col[i] + kColumns) * bytes + c * 32), _MM_HINT_T0);
+        r[i] = _mm256_loadu_si256((const __m256i*)(codes + col[i] * bytes + c * 32));
+        if (!(c & 1)) _mm_prefetch((const char*)(codes + (col[i] + kColumns) * bytes + c * 32), _MM_HINT_T0);
     }
+    transpose8x8(r);
+}
+
+inline void q41_codes(const Q41& w, const int64_t* col, int64_t c, __m256i r[8]) {
+    const int64_t groups = w.k / 32;
     _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T0);
     _mm_prefetch((const char*)(w.m + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T0);
-    transpose8x8(r);
+    nibble_codes(w.codes, w.k, col, c, r);
 }
 
 // Q8_0's and Q5_0's int8 codes of group g, transposed as q41_codes's.
@@ -104,16 +112,21 @@ inline void q80_codes(const Q80& w, const int64_t* col, int64_t g, __m256i r[8])
 // The whole tile unpacked, for calls of more rows than one row group: Q4_1's codes as bytes 0..15, 8 vectors per
 // group; Q8_0's and Q5_0's magnitudes |code| (maddubs takes its first operand unsigned) then the codes themselves
 // (whose signs go onto the activations), 16 vectors per group. The scales (and minimums) gathered by column.
-inline void unpack_q41(const Q41& w, const int64_t* col, ColumnTile& t) {
+template <class Codes>
+inline void unpack_nibbles(Codes codes, ColumnTile& t) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t c = 0; c < t.groups / 2; ++c) {
         __m256i r[8];
-        q41_codes(w, col, c, r);
+        codes(c, r);
         for (int j = 0; j < 8; ++j) {
             t.codes[(2 * c) * 8 + j] = _mm256_and_si256(r[j], low);
             t.codes[(2 * c + 1) * 8 + j] = _mm256_and_si256(_mm256_srli_epi16(r[j], 4), low);
         }
     }
+}
+
+inline void unpack_q41(const Q41& w, const int64_t* col, ColumnTile& t) {
+    unpack_nibbles([&](int64_t c, __m256i* r) { q41_codes(w, col, c, r); }, t);
 }
 
 inline void unpack_q80(const Q80& w, const int64_t* col, ColumnTile& t) {
@@ -144,10 +157,12 @@ struct GroupRows {
     const int8_t* q[R];
     const float* scale[R];
     const float* scaled_sums[R];  // Q4_1 only
+    const int16_t* sums[R];       // the code sums of each group of 32 (Q4_K's minimums' term)
     GroupRows(const QuantizedRows& a, int64_t first, const ColumnTile& t) {
         for (int r = 0; r < R; ++r) {
             q[r] = a.row_q(first + r);
             scale[r] = a.row_scale(first + r);
+            sums[r] = a.row_sums(first + r);
             scaled_sums[r] = t.scaled_sums ? t.scaled_sums + (first + r) * t.groups : nullptr;
         }
     }
@@ -275,6 +290,131 @@ template <int R> struct Q80Columns {
         store_columns<R>(acc, out, first, n0, valid);
     }
 };
+
+// ---- Q4_K: 4-bit codes in Q4_1's layout, per 32 weights a 6-bit scale sc and minimum mn, per 256 d and dmin ------
+// w = d * sc_g * code - dmin * mn_g. The tile's codes as Q4_1's (nibble_codes); per superblock s, row r and lane i
+// (column i), in the Totals numerics of the row kernels (kernel_rows.h), so that both give the same bits:
+//   p_g    = sum over j < 8 of maddubs(codes_g(j), q[32g + 4j..32g + 4j + 3] broadcast)   int16 <= 30480, as Q4_1's
+//   T      = sum over the 8 groups g of madd(p_g, (sc_g, sc_g))     = sum of sc_g * code * q: the exact int32 total
+//   M      = sum over h < 4 of madd((mn_2h, mn_2h+1), (sums_2h, sums_2h+1) broadcast)      the minimums' exact total
+//   acc    = fma(float(T), d_s * as_s, acc);   acc_min = fma(float(M), dmin_s * as_s, acc_min)
+// and the result is acc - acc_min. Per superblock, row and 8 columns: 64 maddubs, 56 int16 adds, 12 madd, 11 int32
+// adds, 2 conversions, 2 multiplies and 2 fused multiply-adds for 2048 multiply-adds.
+
+// Superblock s's sub-block scales and minimums for the tile's columns, as int16 pairs in int32 lane i (column i):
+// v[g] = (sc_g, sc_g) for g < 8, v[8 + h] = (mn_2h, mn_2h+1) for h < 4. One 8 x 8 transpose: each column's 8 scales
+// and 8 minimums as 16 int16, whose int32 element h < 4 is a pair of scales and 4 + h a pair of minimums.
+inline void q4k_scales(const Q4K& w, const int64_t* col, int64_t s, __m256i v[12]) {
+    const int64_t groups = w.k / 32;
+    __m256i r[8];
+    for (int i = 0; i < 8; ++i) {
+        const __m128i sc = _mm_loadl_epi64((const __m128i*)(w.sc + col[i] * groups + s * 8));
+        const __m128i mn = _mm_loadl_epi64((const __m128i*)(w.mn + col[i] * groups + s * 8));
+        r[i] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(sc, mn));
+    }
+    // The next tile's scales: 8 * groups bytes of each array, one line per superblock.
+    _mm_prefetch((const char*)(w.sc + (col[0] + kColumns) * groups) + s * 64, _MM_HINT_T0);
+    _mm_prefetch((const char*)(w.mn + (col[0] + kColumns) * groups) + s * 64, _MM_HINT_T0);
+    _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * (groups / 8)) + s * 32, _MM_HINT_T0);
+    _mm_prefetch((const char*)(w.dmin + (col[0] + kColumns) * (groups / 8)) + s * 32, _MM_HINT_T0);
+    transpose8x8(r);
+    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                          0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                         2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+    for (int h = 0; h < 4; ++h) {
+        v[2 * h] = _mm256_shuffle_epi8(r[h], even);
+        v[2 * h + 1] = _mm256_shuffle_epi8(r[h], odd);
+        v[8 + h] = r[4 + h];
+    }
+}
+
+// Group g (of the whole row) of R rows: total[r] += madd(p_g, scale), as above.
+template <int R, class Codes>
+inline void q4k_group(Codes codes, __m256i scale, const GroupRows<R>& x, int64_t g, __m256i* total) {
+    __m256i p[R];
+    {
+        const __m256i v = codes(0);
+        for (int r = 0; r < R; ++r) p[r] = _mm256_maddubs_epi16(v, broadcast4(x.q[r] + g * 32));
+    }
+    for (int j = 1; j < 8; ++j) {
+        const __m256i v = codes(j);
+        for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(v, broadcast4(x.q[r] + g * 32 + 4 * j)));
+    }
+    for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(p[r], scale));
+}
+
+// The end of superblock s for R rows: the minimums' total and both fused multiply-adds.
+template <int R>
+inline void q4k_superblock_end(const __m256i* scales, const ColumnTile& t, const GroupRows<R>& x, int64_t s, const __m256i* total,
+                               __m256* acc, __m256* acc_min) {
+    const __m256 d = _mm256_loadu_ps(&t.d[s * kColumns]), dmin = _mm256_loadu_ps(&t.m[s * kColumns]);
+    for (int r = 0; r < R; ++r) {
+        const int8_t* sums = (const int8_t*)(x.sums[r] + s * 8);
+        __m256i m = _mm256_madd_epi16(scales[8], broadcast4(sums));
+        for (int h = 1; h < 4; ++h) m = _mm256_add_epi32(m, _mm256_madd_epi16(scales[8 + h], broadcast4(sums + 4 * h)));
+        const __m256 as = _mm256_set1_ps(x.scale[r][s]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[r]), _mm256_mul_ps(d, as), acc[r]);
+        acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, as), acc_min[r]);
+    }
+}
+
+template <int R>
+inline void store_difference(const __m256* acc, const __m256* acc_min, float** out, int64_t first, int64_t n0, int valid) {
+    __m256 v[R];
+    for (int r = 0; r < R; ++r) v[r] = _mm256_sub_ps(acc[r], acc_min[r]);
+    store_columns<R>(v, out, first, n0, valid);
+}
+
+template <int R> struct Q4KColumns {
+    static void unpacked(const Q4K&, const int64_t*, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
+        const GroupRows<R> x(a, first, t);
+        __m256 acc[R], acc_min[R];
+        for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < t.groups / 8; ++s) {
+            const __m256i* scales = &t.scales[s * 12];
+            __m256i total[R];
+            for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_si256();
+            for (int g = 0; g < 8; ++g) {
+                const __m256i* w = &t.codes[(s * 8 + g) * 8];
+                q4k_group<R>([w](int j) { return _mm256_load_si256(w + j); }, scales[g], x, s * 8 + g, total);
+            }
+            q4k_superblock_end<R>(scales, t, x, s, total, acc, acc_min);
+        }
+        store_difference<R>(acc, acc_min, out, first, n0, valid);
+    }
+    static void fused(const Q4K& w, const int64_t* col, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
+        const GroupRows<R> x(a, first, t);
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        __m256 acc[R], acc_min[R];
+        for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < t.groups / 8; ++s) {
+            __m256i scales[12];
+            q4k_scales(w, col, s, scales);
+            __m256i total[R];
+            for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; ++c) {
+                __m256i v[8];
+                nibble_codes(w.codes, w.k, col, s * 4 + c, v);
+                q4k_group<R>([&](int j) { return _mm256_and_si256(v[j], low); }, scales[2 * c], x, s * 8 + 2 * c, total);
+                q4k_group<R>([&](int j) { return _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low); }, scales[2 * c + 1], x, s * 8 + 2 * c + 1, total);
+            }
+            q4k_superblock_end<R>(scales, t, x, s, total, acc, acc_min);
+        }
+        store_difference<R>(acc, acc_min, out, first, n0, valid);
+    }
+};
+
+inline void unpack_q4k(const Q4K& w, const int64_t* col, ColumnTile& t) {
+    unpack_nibbles([&](int64_t c, __m256i* r) { nibble_codes(w.codes, w.k, col, c, r); }, t);
+    t.scales.resize(t.groups / 8 * 12);
+    for (int64_t s = 0; s < t.groups / 8; ++s) q4k_scales(w, col, s, &t.scales[s * 12]);
+}
+
+inline void gather_q4k(const Q4K& w, const int64_t* col, ColumnTile& t) {
+    gather_columns(w.d, t.groups / 8, col, t.d.data());
+    gather_columns(w.dmin, t.groups / 8, col, t.m.data());
+}
 
 // Every output column for every row: tiles of 8 columns split over the threads. A call of up to kColumnRows rows
 // runs each tile fused; a longer one unpacks each tile once, then runs its rows in groups of kColumnRows (the last

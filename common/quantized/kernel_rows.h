@@ -141,41 +141,48 @@ struct Q4KAcc<R, Totals> {
     }
 };
 
+// Superblock s of a one-row weight w for a tile's rows: isum[r], row r's int32 lanes of the sum of sc * code * q;
+// returns the superblock's 8 group minimums as int16.
+template <int R>
+inline __m128i q4k_superblock(const Q4K& w, int64_t s, const RowTile<R>& x, __m256i* isum) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i isum2[R];  // a second chain for few rows (see kSplit)
+    for (int r = 0; r < R; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
+    // The 8 group scales as int16, in both 128-bit halves: one shuffle then broadcasts any of them.
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.sc + s * 8))));
+    for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w.codes + s * 128 + c * 32));
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((int16_t)(((4 * c + 1) << 8) | (4 * c))));
+        const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((int16_t)(((4 * c + 3) << 8) | (4 * c + 2))));
+        for (int r = 0; r < R; ++r) {
+            const int8_t* q = x.q[r] + s * 256 + c * 64;
+            const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)q));
+            const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q + 32)));
+            if constexpr (R <= kSplit) {
+                isum[r] = dot_add(isum[r], p_lo, s_lo);
+                isum2[r] = dot_add(isum2[r], p_hi, s_hi);
+            } else {
+                isum[r] = dot_add(dot_add(isum[r], p_lo, s_lo), p_hi, s_hi);
+            }
+        }
+    }
+    if constexpr (R <= kSplit)
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
+    return _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.mn + s * 8)));
+}
+
 template <int R, class N>
 void q4k_rows(const Q4K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const Q4K w = weights.row(n);
     const uint8_t* ahead = w.codes + prefetch_rows(w.k / 2) * (w.k / 2);  // the same superblock, rows further on
-    const int64_t superblocks = w.k / 256;
-    const __m256i low = _mm256_set1_epi8(0x0F);
     const RowTile<R> x(a, rows);
     Q4KAcc<R, N> acc;
-    for (int64_t s = 0; s < superblocks; ++s) {
+    for (int64_t s = 0; s < w.k / 256; ++s) {
         prefetch(ahead + s * 128, 128);
-        __m256i isum[R], isum2[R];  // isum2: a second chain for few rows (see kSplit)
-        for (int r = 0; r < R; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
-        // The 8 group scales as int16, in both 128-bit halves: one shuffle then broadcasts any of them.
-        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.sc + s * 8))));
-        for (int c = 0; c < 4; ++c) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(w.codes + s * 128 + c * 32));
-            const __m256i lo = _mm256_and_si256(v, low);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((int16_t)(((4 * c + 1) << 8) | (4 * c))));
-            const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((int16_t)(((4 * c + 3) << 8) | (4 * c + 2))));
-            for (int r = 0; r < R; ++r) {
-                const int8_t* q = x.q[r] + s * 256 + c * 64;
-                const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)q));
-                const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q + 32)));
-                if constexpr (R <= kSplit) {
-                    isum[r] = dot_add(isum[r], p_lo, s_lo);
-                    isum2[r] = dot_add(isum2[r], p_hi, s_hi);
-                } else {
-                    isum[r] = dot_add(dot_add(isum[r], p_lo, s_lo), p_hi, s_hi);
-                }
-            }
-        }
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.mn + s * 8)));
-        if constexpr (R <= kSplit)
-            for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
+        __m256i isum[R];
+        const __m128i mins = q4k_superblock<R>(w, s, x, isum);
         acc.add(isum, mins, x, s, w.d[s], w.dmin[s]);
     }
     acc.store(out, n);
@@ -216,44 +223,51 @@ struct Q6KAcc<R, Totals> {
     void store(float** out, int64_t n) const { store_rows<R>(acc, n, out); }
 };
 
+// Superblock s of a one-row weight w for a tile's rows: isum[r], row r's int32 lanes of the sum of
+// sc * (code - 32) * q.
+template <int R>
+inline void q6k_superblock(const Q6K& w, int64_t s, const RowTile<R>& x, __m256i* isum) {
+    // Bytes 0-1 of each int32 into the low 128 bits' int16 lanes, bytes 2-3 into the high ones'.
+    const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    __m256i isum2[R];  // a second chain for few rows (see kSplit)
+    // int16 lane g = sc[g]; int32 element c therefore holds the scales of chunk c's two groups, 2c and 2c + 1.
+    const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w.sc + s * 16)));
+    for (int r = 0; r < R; ++r) {
+        isum[r] = q6k_offset(scales16, x.sums[r] + s * 16);
+        isum2[r] = _mm256_setzero_si256();
+    }
+    for (int half = 0; half < 2; ++half) {
+        __m256i v[4];  // weights 32j..32j+31 of this 128
+        q6k_codes(w, s, half, v);
+        for (int j = 0; j < 4; ++j) {
+            const int c = half * 4 + j;
+            // int16 lanes 0..7 come from bytes 0..15 (group 2c), lanes 8..15 from bytes 16..31 (group 2c + 1).
+            const __m256i scales = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales16, _mm256_set1_epi32(c)), split);
+            for (int r = 0; r < R; ++r) {
+                const __m256i p = _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i*)(x.q[r] + s * 256 + c * 32)));
+                if (R <= kSplit && (j & 1)) isum2[r] = dot_add(isum2[r], p, scales);
+                else isum[r] = dot_add(isum[r], p, scales);
+            }
+        }
+    }
+    if constexpr (R <= kSplit)
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
+}
+
 template <int R, class N>
 void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
     const Q6K w = weights.row(n);
     const int64_t ahead = prefetch_rows(w.k / 2 + w.k / 4);
     const uint8_t* ql_ahead = w.ql + ahead * (w.k / 2);  // the same superblock, rows further on
     const uint8_t* qh_ahead = w.qh + ahead * (w.k / 4);
-    const int64_t superblocks = w.k / 256;
-    // Bytes 0-1 of each int32 into the low 128 bits' int16 lanes, bytes 2-3 into the high ones'.
-    const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     const RowTile<R> x(a, rows);
     Q6KAcc<R, N> acc;
-    for (int64_t s = 0; s < superblocks; ++s) {
+    for (int64_t s = 0; s < w.k / 256; ++s) {
         prefetch(ql_ahead + s * 128, 128);
         prefetch(qh_ahead + s * 64, 64);
-        __m256i isum[R], isum2[R];  // isum2: a second chain for few rows (see kSplit)
-        // int16 lane g = sc[g]; int32 element c therefore holds the scales of chunk c's two groups, 2c and 2c + 1.
-        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w.sc + s * 16)));
-        for (int r = 0; r < R; ++r) {
-            isum[r] = q6k_offset(scales16, x.sums[r] + s * 16);
-            isum2[r] = _mm256_setzero_si256();
-        }
-        for (int half = 0; half < 2; ++half) {
-            __m256i v[4];  // weights 32j..32j+31 of this 128
-            q6k_codes(w, s, half, v);
-            for (int j = 0; j < 4; ++j) {
-                const int c = half * 4 + j;
-                // int16 lanes 0..7 come from bytes 0..15 (group 2c), lanes 8..15 from bytes 16..31 (group 2c + 1).
-                const __m256i scales = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales16, _mm256_set1_epi32(c)), split);
-                for (int r = 0; r < R; ++r) {
-                    const __m256i p = _mm256_maddubs_epi16(v[j], _mm256_loadu_si256((const __m256i*)(x.q[r] + s * 256 + c * 32)));
-                    if (R <= kSplit && (j & 1)) isum2[r] = dot_add(isum2[r], p, scales);
-                    else isum[r] = dot_add(isum[r], p, scales);
-                }
-            }
-        }
-        if constexpr (R <= kSplit)
-            for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
+        __m256i isum[R];
+        q6k_superblock<R>(w, s, x, isum);
         acc.add(isum, x, s, w.d[s]);
     }
     acc.store(out, n);
@@ -262,6 +276,98 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
 // ---- Q4_1, Q8_0 and Q5_0: one scale per 32 weights, in column tiles (kernel_columns.h) ------------------------
 
 #include "kernel_columns.h"
+
+// ---- one row of Q4_K and Q6_K in 8-column tiles, in the file's layout ------------------------------------------
+// A 1-row product (a step) in the Totals numerics without the column tiles' transposes: each of a tile's 8 columns
+// runs the row kernels' superblock (q4k_superblock, q6k_superblock) into its int32 lanes, one reduction gives the
+// 8 columns' totals (row_totals<8>), and one conversion and fused multiply-add per superblock serve the 8 columns
+// at once, where the Totals row kernel reduces and multiply-adds each column on its own. Per superblock s:
+//   Q4_K  acc = fma(float(T), d_s * as_s, acc); acc_min = fma(float(M), dmin_s * as_s, acc_min); result acc - acc_min
+//   Q6_K  acc = fma(float(T), d_s * as_s, acc)
+// T and M the exact totals of the row kernels (kernel_rows.h's Totals): the same bits as every other kernel.
+
+// The rows' totals of superblock s, a row per lane: lanes[(s * 2R + j) * 8 + i] holds column i's int32 lanes of
+// row j's products (j < R) and of row j - R's minimums (Q4_K).
+template <int R, class W, class Gather, class Column, class Step>
+void few_row_tiles(const W& w, const QuantizedRows& a, int64_t out_features, float* y, Gather gather, Column column, Step step) {
+    const int64_t tiles = (out_features + kColumns - 1) / kColumns, superblocks = w.k / 256;
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        ColumnTile t(w.k / 32, 0);
+        std::vector<__m256i> lanes(superblocks * 2 * R * kColumns);
+        int64_t index[R];
+        for (int r = 0; r < R; ++r) index[r] = r;
+        const RowTile<R> x(a, index);
+        for (int64_t tile = begin; tile < end; ++tile) {
+            const int64_t n0 = tile * kColumns;
+            const int valid = (int)std::min<int64_t>(kColumns, out_features - n0);
+            int64_t col[kColumns];
+            for (int i = 0; i < kColumns; ++i) col[i] = std::min(n0 + i, out_features - 1);
+            gather(w, col, t);
+            for (int i = 0; i < kColumns; ++i) column(col[i], i, x, lanes.data());
+            __m256 acc[R], acc_min[R];
+            for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
+            for (int64_t s = 0; s < superblocks; ++s) step(s, t, x, &lanes[s * 2 * R * kColumns], acc, acc_min);
+            for (int r = 0; r < R; ++r) {
+                alignas(32) float out[8];
+                _mm256_store_ps(out, _mm256_sub_ps(acc[r], acc_min[r]));
+                for (int i = 0; i < valid; ++i) y[r * out_features + n0 + i] = out[i];
+            }
+        }
+    });
+}
+
+template <int R>
+inline void q4k_few_rows(const Q4K& w, const QuantizedRows& a, int64_t out_features, float* y) {
+    const int64_t superblocks = w.k / 256;
+    auto column = [&](int64_t n, int i, const RowTile<R>& x, __m256i* lanes) {
+        const Q4K row = w.row(n);
+        const uint8_t* ahead = row.codes + prefetch_rows(w.k / 2) * (w.k / 2);
+        for (int64_t s = 0; s < superblocks; ++s) {
+            prefetch(ahead + s * 128, 128);
+            __m256i isum[R];
+            const __m128i mins = q4k_superblock<R>(row, s, x, isum);
+            __m256i* block = &lanes[s * 2 * R * kColumns];
+            for (int r = 0; r < R; ++r) {
+                block[r * kColumns + i] = isum[r];
+                block[(R + r) * kColumns + i] =
+                    _mm256_zextsi128_si256(_mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(x.sums[r] + s * 8))));
+            }
+        }
+    };
+    auto step = [&](int64_t s, const ColumnTile& t, const RowTile<R>& x, const __m256i* block, __m256* acc, __m256* acc_min) {
+        const __m256 d = _mm256_loadu_ps(&t.d[s * kColumns]), dmin = _mm256_loadu_ps(&t.m[s * kColumns]);
+        for (int r = 0; r < R; ++r) {
+            const __m256 as = _mm256_set1_ps(x.scale[r][s]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<8>(&block[r * kColumns])), _mm256_mul_ps(d, as), acc[r]);
+            acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<8>(&block[(R + r) * kColumns])), _mm256_mul_ps(dmin, as), acc_min[r]);
+        }
+    };
+    few_row_tiles<R>(w, a, out_features, y, &gather_q4k, column, step);
+}
+
+inline void gather_q6k(const Q6K& w, const int64_t* col, ColumnTile& t) { gather_columns(w.d, w.k / 256, col, t.d.data()); }
+
+template <int R>
+inline void q6k_few_rows(const Q6K& w, const QuantizedRows& a, int64_t out_features, float* y) {
+    const int64_t superblocks = w.k / 256;
+    auto column = [&](int64_t n, int i, const RowTile<R>& x, __m256i* lanes) {
+        const Q6K row = w.row(n);
+        const int64_t ahead = prefetch_rows(w.k / 2 + w.k / 4);
+        for (int64_t s = 0; s < superblocks; ++s) {
+            prefetch(row.ql + ahead * (w.k / 2) + s * 128, 128);
+            prefetch(row.qh + ahead * (w.k / 4) + s * 64, 64);
+            __m256i isum[R];
+            q6k_superblock<R>(row, s, x, isum);
+            for (int r = 0; r < R; ++r) lanes[(s * 2 * R + r) * kColumns + i] = isum[r];
+        }
+    };
+    auto step = [&](int64_t s, const ColumnTile& t, const RowTile<R>& x, const __m256i* block, __m256* acc, __m256*) {
+        const __m256 d = _mm256_loadu_ps(&t.d[s * kColumns]);
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<8>(&block[r * kColumns])), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r][s])), acc[r]);
+    };
+    few_row_tiles<R>(w, a, out_features, y, &gather_q6k, column, step);
+}
 
 // ---- driver --------------------------------------------------------------------------------------------------
 
@@ -338,6 +444,16 @@ template <class N>
 void q6k(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) { matmul<KernelsOf<N>::template Q6K_>(w, a, rows, n, y); }
 inline void q41(const Q41& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
     column_matmul<Q41, Q41Columns>(w, a, rows, n, y, 8, &unpack_q41, &gather_q41);
+}
+// AVX2's Q4_K and Q6_K in Totals: a step in 8-column tiles of the file's layout, more rows in column tiles (Q4_K)
+// or the row kernels (Q6_K).
+inline void q4k_columns(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
+    if (rows == 1) return q4k_few_rows<1>(w, a, n, y);
+    column_matmul<Q4K, Q4KColumns>(w, a, rows, n, y, 8, &unpack_q4k, &gather_q4k);
+}
+inline void q6k_columns(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
+    if (rows == 1) return q6k_few_rows<1>(w, a, n, y);
+    q6k<Totals>(w, a, rows, n, y);
 }
 inline void q80(const Q80& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
     column_matmul<Q80, Q80Columns>(w, a, rows, n, y, 16, &unpack_q80, &gather_q80);

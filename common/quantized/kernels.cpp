@@ -187,9 +187,9 @@ constexpr int64_t kAmxMinRows = 16;
 
 enum class Isa { avx2, vnni, amx };
 Isa isa_in_use = cpu_has_amx() ? Isa::amx : cpu_has_vnni() ? Isa::vnni : Isa::avx2;
-// Totals where the tiles can run: their products come as whole superblock totals. Elsewhere Lanes, which costs the
-// row kernels less (Totals took 1.02-1.06x the time of a 1-8 row pass of the 1.5B, measured).
-bool totals_in_use = cpu_has_amx();
+// Totals where the fastest kernels yield whole superblock totals: AMX's tiles, and AVX2's column tiles on machines
+// without AVX512-VNNI. Lanes on VNNI machines without AMX, whose row kernels it costs less (docs/engines.md).
+bool totals_in_use = isa_in_use != Isa::vnni;
 
 std::string isa() { return isa_in_use == Isa::amx ? "amx" : isa_in_use == Isa::vnni ? "vnni" : "avx2"; }
 std::string numerics() { return totals_in_use ? "totals" : "lanes"; }
@@ -213,13 +213,21 @@ template <typename W>
 using KernelFn = void (*)(const W&, const QuantizedRows&, int64_t, int64_t, float*);
 
 // A format's kernels: on each instruction set in each numerics, and on AMX (Totals; none for the formats without).
+// AVX2's column tiles of Q4_K (kernel_columns.h) in Totals, or its row kernels (the tests and the bench compare them).
+bool column_tiles = true;
+
 template <typename W>
 struct FormatKernels {
-    KernelFn<W> avx2_lanes, vnni_lanes, avx2_totals, vnni_totals, amx = nullptr;
+    KernelFn<W> avx2_lanes, vnni_lanes, avx2_totals, vnni_totals, amx = nullptr, avx2_columns = nullptr;
     KernelFn<W> pick(int64_t rows) const {
         if (isa_in_use == Isa::amx && amx && rows >= kAmxMinRows) return amx;
+        if (isa_in_use == Isa::avx2 && totals_in_use && column_tiles && avx2_columns) return avx2_columns;
         if (isa_in_use == Isa::avx2) return totals_in_use ? avx2_totals : avx2_lanes;
         return totals_in_use ? vnni_totals : vnni_lanes;
+    }
+    std::string name(int64_t rows) const {
+        const KernelFn<W> k = pick(rows);
+        return k == amx ? "amx" : k == avx2_columns ? "avx2 columns" : k == avx2_totals || k == avx2_lanes ? "avx2 rows" : "vnni rows";
     }
 };
 
@@ -241,6 +249,8 @@ void check_weight(const torch::Tensor& t, torch::ScalarType type, int64_t n, int
                 per_row, " contiguous values of ", c10::toString(type));
 }
 
+const FormatKernels<Q4K> q4k_kernels{&avx2::q4k<Lanes>, &vnni::q4k<Lanes>, &avx2::q4k<Totals>, &vnni::q4k<Totals>, &amx::q4k, &avx2::q4k_columns};
+
 torch::Tensor q4k_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc, torch::Tensor mn, torch::Tensor d,
                          torch::Tensor dmin, int64_t n, int64_t k) {
     TORCH_CHECK(k % 256 == 0, "Q4_K needs K divisible by 256");
@@ -250,8 +260,10 @@ torch::Tensor q4k_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc,
     check_weight(d, torch::kFloat32, n, k / 256, "d");
     check_weight(dmin, torch::kFloat32, n, k / 256, "dmin");
     Q4K w{codes.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(), mn.data_ptr<uint8_t>(), d.data_ptr<float>(), dmin.data_ptr<float>(), k};
-    return product(w, x, n, 256, 32, FormatKernels<Q4K>{&avx2::q4k<Lanes>, &vnni::q4k<Lanes>, &avx2::q4k<Totals>, &vnni::q4k<Totals>, &amx::q4k});
+    return product(w, x, n, 256, 32, q4k_kernels);
 }
+
+const FormatKernels<Q6K> q6k_kernels{&avx2::q6k<Lanes>, &vnni::q6k<Lanes>, &avx2::q6k<Totals>, &vnni::q6k<Totals>, &amx::q6k, &avx2::q6k_columns};
 
 torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor ql, torch::Tensor qh, torch::Tensor sc, torch::Tensor d, int64_t n,
                          int64_t k) {
@@ -261,7 +273,7 @@ torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor ql, torch::Tensor qh, to
     check_weight(sc, torch::kInt8, n, k / 16, "sc");
     check_weight(d, torch::kFloat32, n, k / 256, "d");
     Q6K w{ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<float>(), k};
-    return product(w, x, n, 256, 16, FormatKernels<Q6K>{&avx2::q6k<Lanes>, &vnni::q6k<Lanes>, &avx2::q6k<Totals>, &vnni::q6k<Totals>, &amx::q6k});
+    return product(w, x, n, 256, 16, q6k_kernels);
 }
 
 torch::Tensor q41_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t n, int64_t k) {
@@ -293,6 +305,14 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block) 
     auto s = torch::from_blob(a.scale.data(), {rows, k / block}, torch::kFloat32).clone();
     return {q, s};
 }
+
+// Which kernel a product of this format and row count runs on now ("avx2 columns", "avx2 rows", "vnni rows", "amx").
+std::string product_kernel(const std::string& format, int64_t rows) {
+    TORCH_CHECK(format == "q4k" || format == "q6k", "product_kernel knows q4k and q6k, not ", format);
+    return format == "q4k" ? q4k_kernels.name(rows) : q6k_kernels.name(rows);
+}
+bool column_tiles_in_use() { return column_tiles; }
+void set_column_tiles(bool on) { column_tiles = on; }
 
 // The prefetch distance in bytes (kPrefetchBytes by default): a hint, so any value computes the same results; the
 // bench and tests set it to compare.
@@ -326,6 +346,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_isa", &set_isa);
     m.def("numerics", &numerics);
     m.def("set_numerics", &set_numerics);
+    m.def("product_kernel", &product_kernel);
+    m.def("column_tiles", &column_tiles_in_use);
+    m.def("set_column_tiles", &set_column_tiles);
     m.def("prefetch_distance", &prefetch_distance);
     m.def("set_prefetch_distance", &set_prefetch_distance);
 }
