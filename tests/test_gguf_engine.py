@@ -495,7 +495,7 @@ def column_tiles(on: bool):
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_avx2_k_quant_tiles_give_the_row_kernels_bits_at_every_row_count(qtype, k):
     """On AVX2, Q4_K and Q6_K run in tiles of 8 output columns in the totals numerics (a step in the file's layout,
-    more rows in column tiles, kernel_columns.h): one superblock, a superblock count that is a multiple of 8 and one
+    more rows in column tiles, kernel_columns.h; Q6_K's 2-11 on the row kernels): one superblock, a superblock count that is a multiple of 8 and one
     that is not (35), a partial last tile (37 columns), every path's row counts. Each row's bits are its own alone,
     the same as the row kernels', and the products match the float64 reference."""
     n, ops = 37, kernels()
@@ -506,7 +506,7 @@ def test_avx2_k_quant_tiles_give_the_row_kernels_bits_at_every_row_count(qtype, 
         with column_tiles(True):
             assert all(ops.product_kernel(fmt, rows) == "avx2 columns" for rows in (1, 4, 5, 131))
             alone = torch.cat([layer(x[i : i + 1]) for i in range(131)])
-            for rows in (2, 3, 4, 5, 7, 8, 9, 64, 131):
+            for rows in (2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 64, 131):
                 assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
             order = torch.randperm(131, generator=torch.Generator().manual_seed(9))
             assert torch.equal(layer(x[order]), alone[order])

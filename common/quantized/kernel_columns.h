@@ -237,6 +237,7 @@ inline void q80_group(Magnitude magnitude, Codes codes, const ColumnTile& t, con
 // Fused (a call of at most one row group, where one unpacking would serve only these rows): each group's codes
 // transposed and used at once, never stored.
 template <int R> struct Q41Columns {
+    static constexpr bool kFused = true;
     static void unpacked(const Q41&, const int64_t*, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
         const GroupRows<R> x(a, first, t);
         __m256 acc[R];
@@ -263,6 +264,7 @@ template <int R> struct Q41Columns {
 };
 
 template <int R> struct Q80Columns {
+    static constexpr bool kFused = true;
     template <bool kSmall>
     static void unpacked_as(const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
         const GroupRows<R> x(a, first, t);
@@ -367,6 +369,7 @@ inline void store_difference(const __m256* acc, const __m256* acc_min, float** o
 }
 
 template <int R> struct Q4KColumns {
+    static constexpr bool kFused = true;
     static void unpacked(const Q4K&, const int64_t*, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
         const GroupRows<R> x(a, first, t);
         __m256 acc[R], acc_min[R];
@@ -416,13 +419,120 @@ inline void gather_q4k(const Q4K& w, const int64_t* col, ColumnTile& t) {
     gather_columns(w.dmin, t.groups / 8, col, t.m.data());
 }
 
+// ---- Q6_K: 6-bit codes (weight = code - 32), per 16 weights an int8 scale sc, per 256 d -------------------------
+// A 32-weight chunk c of superblock s (c = 4 * half + j) of the tile's columns transposed as the others' (register m:
+// weights 4m..4m+3 of each column), its first 16 weights group 2c and its last 16 group 2c + 1. Per superblock s,
+// row r and lane i (column i), in the Totals numerics of the row kernels:
+//   p      = maddubs(codes(4h), q broadcast) + maddubs(codes(4h + 1), q broadcast)      int16 <= 2 * 2 * 63 * 127 = 32004
+//   T      = sum over the chunks' halves of madd(p, (sc_g, sc_g)), two such p per group g   sum of sc_g * code * q, exact
+//   M      = sum over h < 8 of madd((sc_2h, sc_2h+1), (sums_2h, sums_2h+1) broadcast)     the offset's sum_g sc_g * sums_g
+//   acc    = fma(float(T - 32 M), d_s * as_s, acc)
+// Per superblock, row and 8 columns: 64 maddubs, 32 int16 adds, 40 madd, 39 int32 adds, a shift, a conversion, a
+// multiply and a fused multiply-add for 2048 multiply-adds.
+
+// Chunk c = 4 * half + j of superblock s of the tile's columns, transposed (codes 0..63). The next tile's lines
+// are prefetched.
+inline void q6k_chunk_codes(const Q6K& w, const int64_t* col, int64_t s, int half, int j, __m256i r[8]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
+    const int64_t at = s * 2 + half;
+    for (int i = 0; i < 8; ++i) {
+        const uint8_t* ql = w.ql + col[i] * (w.k / 2) + at * 64;
+        const uint8_t* qh = w.qh + col[i] * (w.k / 4) + at * 32;
+        const __m256i a = _mm256_loadu_si256((const __m256i*)(ql + (j & 1) * 32)), h = _mm256_loadu_si256((const __m256i*)qh);
+        const __m256i lo = j < 2 ? _mm256_and_si256(a, low) : _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+        const __m256i hi = j == 0 ? _mm256_slli_epi16(h, 4) : j == 1 ? _mm256_slli_epi16(h, 2) : j == 2 ? h : _mm256_srli_epi16(h, 2);
+        r[i] = _mm256_or_si256(lo, _mm256_and_si256(hi, high));
+        if (j == 0) {
+            _mm_prefetch((const char*)(ql + kColumns * (w.k / 2)), _MM_HINT_T0);
+            if (!(at & 1)) _mm_prefetch((const char*)(qh + kColumns * (w.k / 4)), _MM_HINT_T0);
+        }
+    }
+    transpose8x8(r);
+}
+
+// Superblock s's scales for the tile's columns: v[g] = (sc_g, sc_g) for g < 16, v[16 + h] = (sc_2h, sc_2h+1).
+inline void q6k_scales(const Q6K& w, const int64_t* col, int64_t s, __m256i v[24]) {
+    __m256i r[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w.sc + col[i] * (w.k / 16) + s * 16)));
+    _mm_prefetch((const char*)(w.sc + (col[0] + kColumns) * (w.k / 16)) + s * 16, _MM_HINT_T0);
+    transpose8x8(r);  // r[h] lane i: (sc_2h, sc_2h+1) of column i
+    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                          0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i odd = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                         2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+    for (int h = 0; h < 8; ++h) {
+        v[2 * h] = _mm256_shuffle_epi8(r[h], even);
+        v[2 * h + 1] = _mm256_shuffle_epi8(r[h], odd);
+        v[16 + h] = r[h];
+    }
+}
+
+// Chunk c of superblock s for R rows: total[r] += its two groups' sc_g * code * q.
+template <int R, class Codes>
+inline void q6k_chunk(Codes codes, const __m256i* scales, const GroupRows<R>& x, int64_t s, int c, __m256i* total) {
+    for (int half = 0; half < 2; ++half) {
+        const __m256i scale = scales[2 * c + half];
+        const __m256i c0 = codes(4 * half), c1 = codes(4 * half + 1), c2 = codes(4 * half + 2), c3 = codes(4 * half + 3);
+        for (int r = 0; r < R; ++r) {
+            const int8_t* q = x.q[r] + s * 256 + c * 32 + half * 16;
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(c0, broadcast4(q)), _mm256_maddubs_epi16(c1, broadcast4(q + 4)));
+            const __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(c2, broadcast4(q + 8)), _mm256_maddubs_epi16(c3, broadcast4(q + 12)));
+            total[r] = _mm256_add_epi32(total[r], _mm256_add_epi32(_mm256_madd_epi16(p, scale), _mm256_madd_epi16(p2, scale)));
+        }
+    }
+}
+
+template <int R>
+inline void q6k_superblock_end(const __m256i* scales, const ColumnTile& t, const GroupRows<R>& x, int64_t s, const __m256i* total, __m256* acc) {
+    const __m256 d = _mm256_loadu_ps(&t.d[s * kColumns]);
+    for (int r = 0; r < R; ++r) {
+        const int8_t* sums = (const int8_t*)(x.sums[r] + s * 16);
+        __m256i m = _mm256_madd_epi16(scales[16], broadcast4(sums));
+        for (int h = 1; h < 8; ++h) m = _mm256_add_epi32(m, _mm256_madd_epi16(scales[16 + h], broadcast4(sums + 4 * h)));
+        const __m256i exact = _mm256_sub_epi32(total[r], _mm256_slli_epi32(m, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r][s])), acc[r]);
+    }
+}
+
+// Q6_K's tiles are always unpacked: unpacking its 6-bit codes costs too much to repeat for a few rows (the row
+// kernels run those, q6k_columns).
+template <int R> struct Q6KColumns {
+    static constexpr bool kFused = false;
+    static void unpacked(const Q6K&, const int64_t*, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
+        const GroupRows<R> x(a, first, t);
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < t.groups / 8; ++s) {
+            const __m256i* scales = &t.scales[s * 24];
+            __m256i total[R];
+            for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; ++c) {
+                const __m256i* w = &t.codes[(s * 8 + c) * 8];
+                q6k_chunk<R>([w](int m) { return _mm256_load_si256(w + m); }, scales, x, s, c, total);
+            }
+            q6k_superblock_end<R>(scales, t, x, s, total, acc);
+        }
+        store_columns<R>(acc, out, first, n0, valid);
+    }
+};
+
+inline void unpack_q6k(const Q6K& w, const int64_t* col, ColumnTile& t) {
+    t.scales.resize(t.groups / 8 * 24);
+    for (int64_t s = 0; s < t.groups / 8; ++s) {
+        q6k_scales(w, col, s, &t.scales[s * 24]);
+        for (int c = 0; c < 8; ++c) q6k_chunk_codes(w, col, s, c / 4, c % 4, &t.codes[(s * 8 + c) * 8]);
+    }
+}
+
+inline void gather_q6k(const Q6K& w, const int64_t* col, ColumnTile& t) { gather_columns(w.d, w.k / 256, col, t.d.data()); }
+
 // Every output column for every row: tiles of 8 columns split over the threads. A call of up to kColumnRows rows
 // runs each tile fused; a longer one unpacks each tile once, then runs its rows in groups of kColumnRows (the last
 // 1-3 rows in one smaller group). Each output's operations are those above whichever path, group or tile it is in.
 template <class W, template <int> class Rows, class Unpack, class Gather>
 void column_matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base, int vectors, Unpack unpack, Gather gather) {
     const int64_t tiles = (out_features + kColumns - 1) / kColumns;
-    const bool fused = rows <= kColumnRows;
+    const bool fused = Rows<1>::kFused && rows <= kColumnRows;
     const int64_t groups = w.k / 32;
     std::vector<float> scaled_sums;
     if constexpr (std::is_same_v<W, Q41>) {
@@ -441,14 +551,16 @@ void column_matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out
             int64_t col[kColumns];
             for (int i = 0; i < kColumns; ++i) col[i] = std::min(n0 + i, out_features - 1);
             gather(w, col, t);
-            if (fused) {
-                switch (rows) {
-                    case 4: Rows<4>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
-                    case 3: Rows<3>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
-                    case 2: Rows<2>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
-                    default: Rows<1>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
+            if constexpr (Rows<1>::kFused) {
+                if (fused) {
+                    switch (rows) {
+                        case 4: Rows<4>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
+                        case 3: Rows<3>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
+                        case 2: Rows<2>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
+                        default: Rows<1>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
+                    }
+                    continue;
                 }
-                continue;
             }
             unpack(w, col, t);
             int64_t r = 0;

@@ -345,8 +345,6 @@ inline void q4k_few_rows(const Q4K& w, const QuantizedRows& a, int64_t out_featu
     few_row_tiles<R>(w, a, out_features, y, &gather_q4k, column, step);
 }
 
-inline void gather_q6k(const Q6K& w, const int64_t* col, ColumnTile& t) { gather_columns(w.d, w.k / 256, col, t.d.data()); }
-
 template <int R>
 inline void q6k_few_rows(const Q6K& w, const QuantizedRows& a, int64_t out_features, float* y) {
     const int64_t superblocks = w.k / 256;
@@ -445,15 +443,19 @@ void q6k(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y
 inline void q41(const Q41& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
     column_matmul<Q41, Q41Columns>(w, a, rows, n, y, 8, &unpack_q41, &gather_q41);
 }
-// AVX2's Q4_K and Q6_K in Totals: a step in 8-column tiles of the file's layout, more rows in column tiles (Q4_K)
-// or the row kernels (Q6_K).
+// AVX2's Q4_K and Q6_K in Totals: a step in 8-column tiles of the file's layout, more rows in column tiles; Q6_K's
+// passes of 2 to kQ6KColumnRows - 1 rows on the row kernels, where its column tiles' unpacking is not yet paid back
+// (docs/engines.md).
+constexpr int64_t kQ6KColumnRows = 12;
+
 inline void q4k_columns(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
     if (rows == 1) return q4k_few_rows<1>(w, a, n, y);
     column_matmul<Q4K, Q4KColumns>(w, a, rows, n, y, 8, &unpack_q4k, &gather_q4k);
 }
 inline void q6k_columns(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
     if (rows == 1) return q6k_few_rows<1>(w, a, n, y);
-    q6k<Totals>(w, a, rows, n, y);
+    if (rows < kQ6KColumnRows) return q6k<Totals>(w, a, rows, n, y);
+    column_matmul<Q6K, Q6KColumns>(w, a, rows, n, y, 8, &unpack_q6k, &gather_q6k);
 }
 inline void q80(const Q80& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
     column_matmul<Q80, Q80Columns>(w, a, rows, n, y, 16, &unpack_q80, &gather_q80);

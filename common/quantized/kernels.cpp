@@ -306,7 +306,8 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block) 
     return {q, s};
 }
 
-// Which kernel a product of this format and row count runs on now ("avx2 columns", "avx2 rows", "vnni rows", "amx").
+// Which kernels a product of this format and row count runs on now: "avx2 columns" (AVX2's tiles in Totals,
+// q4k_columns and q6k_columns, which leave some row counts to the row kernels), "avx2 rows", "vnni rows", "amx".
 std::string product_kernel(const std::string& format, int64_t rows) {
     TORCH_CHECK(format == "q4k" || format == "q6k", "product_kernel knows q4k and q6k, not ", format);
     return format == "q4k" ? q4k_kernels.name(rows) : q6k_kernels.name(rows);
