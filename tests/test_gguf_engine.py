@@ -7,6 +7,8 @@ import contextlib
 import functools
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -495,9 +497,10 @@ def column_tiles(on: bool):
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_avx2_k_quant_tiles_give_the_row_kernels_bits_at_every_row_count(qtype, k):
     """On AVX2, Q4_K and Q6_K run in tiles of 8 output columns in the totals numerics (a step in the file's layout,
-    more rows in column tiles, kernel_columns.h; Q6_K's 2-11 on the row kernels): one superblock, a superblock count that is a multiple of 8 and one
-    that is not (35), a partial last tile (37 columns), every path's row counts. Each row's bits are its own alone,
-    the same as the row kernels', and the products match the float64 reference."""
+    more rows in column tiles, kernel_columns.h; Q6_K's 2-11 rows on the row kernels): one superblock, a superblock
+    count that is a multiple of 8 and one that is not (35), a partial last tile (37 columns), every path's row
+    counts. Each row's bits are its own alone, the same as the row kernels', and the products match the float64
+    reference."""
     n, ops = 37, kernels()
     layer = QuantizedLinear(random_k_quant(qtype, n, k, seed=k))
     fmt = layer.kernel
@@ -519,3 +522,15 @@ def test_avx2_k_quant_tiles_give_the_row_kernels_bits_at_every_row_count(qtype, 
     exact = x_quantized @ formats.dequantize(layer.packed).T
     assert (alone.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
     assert not torch.equal(alone[0], alone[1])
+
+
+def test_specdec_kernel_isa_pins_the_instruction_set_and_its_numerics():
+    """SPECDEC_KERNEL_ISA runs the kernels as a machine of that kind would (AVX2: the totals numerics), and a value
+    it does not know is refused by the variable's name."""
+    code = "from common.quantized.kernels import kernels; k = kernels(); print(k.isa(), k.numerics())"
+    env = {**os.environ, "SPECDEC_KERNEL_ISA": "avx2"}
+    pinned = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert pinned.stdout.split() == ["avx2", "totals"]
+    env["SPECDEC_KERNEL_ISA"] = "sse2"
+    refused = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert refused.returncode != 0 and "SPECDEC_KERNEL_ISA must be one of avx2, vnni, amx, not 'sse2'" in refused.stderr

@@ -1,9 +1,9 @@
-// Column tiles for the formats with one scale per 32 weights (Q4_1, Q8_0, Q5_0), included by kernel_rows.h once per
-// instruction set. They replace the row kernels of these formats, which spent most of their time outside the integer
-// products: per 32 weights and activation row, one maddubs and one madd did the multiply-adds, and around them went
-// a conversion of 8 int32 lanes, a scalar multiply of the two scales and its broadcast, an 8-lane fused
-// multiply-add and a scalar chain for Q4_1's minimum (about 10 instructions for 32 multiply-adds: 16-32 % of the
-// int8 peak on the AVX2-only EPYC, whatever the row count).
+// Column tiles, included by kernel_rows.h once per instruction set: every product of Q4_1, Q8_0 and Q5_0, and AVX2's
+// Q4_K and Q6_K passes of several rows in the Totals numerics. Row kernels spend much of their time outside the
+// integer products: per 32 weights and activation row, one maddubs and one madd do the multiply-adds, and around
+// them go a conversion of 8 int32 lanes, the scales' multiply and broadcast and a fused multiply-add (Q4_1, Q8_0,
+// Q5_0), or for the K-quants the unpacking of each weight block again for every tile of rows and a reduction per
+// superblock and row (Totals).
 //
 // Here a tile is 8 output columns, one per int32 lane, as llama.cpp's repacked 8-column kernels (ggml-cpu's
 // repack.cpp) lay them out: the tile's weights are unpacked and transposed once per call, so that register j of a

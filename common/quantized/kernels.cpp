@@ -8,9 +8,9 @@
 // whatever the number of rows in the call: the rows of a call only share the loading and unpacking of the
 // weights, never an accumulator, and threads split the output columns, never the sum. A row's result is
 // therefore bit-identical alone, in a call of any row count and beside any other rows. Integer sums are exact,
-// so the AVX2, VNNI and AMX paths of a format agree bit for bit too (the row kernels are in kernel_rows.h, the
-// column tiles of Q4_1, Q8_0 and Q5_0 in kernel_columns.h, the AMX tiles in kernel_amx.h; Q4_K and Q6_K have two
-// float numerics, see Lanes and Totals below).
+// so the AVX2, VNNI and AMX paths of a format agree bit for bit too (the row kernels and the 1-row tiles of Q4_K
+// and Q6_K are in kernel_rows.h, the column tiles of every format in kernel_columns.h, the AMX tiles in
+// kernel_amx.h; Q4_K and Q6_K have two float numerics, see Lanes and Totals below).
 //
 // Compiled with -ffp-contract=off: the compiler must not fuse the scalar multiply-adds differently in the
 // instantiations for different row tiles.
@@ -126,8 +126,9 @@ struct Q80 { const int8_t* codes; const float* d; int64_t k; };
 
 #include "decoder_ops.h"
 
-// The two float numerics of Q4_K and Q6_K (kernel_rows.h explains them): Totals where AMX runs the products, Lanes
-// elsewhere. One process computes in one of them (totals_in_use), whatever the instruction set and row count.
+// The two float numerics of Q4_K and Q6_K (kernel_rows.h explains them): Totals where AMX or AVX2's tiles run the
+// products, Lanes on VNNI machines without AMX. One process computes in one of them (totals_in_use), whatever the
+// instruction set and row count.
 struct Lanes {};
 struct Totals {};
 

@@ -67,16 +67,38 @@ def import_built(build: Path):
     return module
 
 
+# The float numerics each instruction set computes Q4_K and Q6_K in by default (kernels.cpp): a machine pinned to
+# a lesser instruction set computes the bits a machine of that kind computes.
+ISA_NUMERICS = {"avx2": "totals", "vnni": "lanes", "amx": "totals"}
+
+
+def pin_isa(module) -> None:
+    """SPECDEC_KERNEL_ISA (avx2, vnni or amx): run the kernels on that instruction set, in its numerics, instead of
+    the best this CPU has (e.g. so that a Zen 4 computes the same bits as the AVX2 and AMX machines of a fleet)."""
+    isa = os.environ.get("SPECDEC_KERNEL_ISA")
+    if not isa:
+        return
+    if isa not in ISA_NUMERICS:
+        raise RuntimeError(f"SPECDEC_KERNEL_ISA must be one of {', '.join(ISA_NUMERICS)}, not {isa!r}")
+    module.set_isa("avx2")
+    module.set_numerics(ISA_NUMERICS[isa])
+    module.set_isa(isa)
+
+
 @functools.cache
 def kernels():
-    """The compiled module (built on first use)."""
+    """The compiled module (built on first use), on the instruction set SPECDEC_KERNEL_ISA pins, if any."""
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(f"the gguf kernels cannot run here: {reason}")
     build = build_directory()
-    module = import_built(build)
-    if module is not None:
-        return module
+    module = import_built(build) or build_module(build)
+    pin_isa(module)
+    return module
+
+
+def build_module(build: Path):
+    """Compile SOURCE into `build` (about a minute with 2 cores)."""
     from torch.utils.cpp_extension import load
 
     build.mkdir(parents=True, exist_ok=True)
