@@ -534,3 +534,21 @@ def test_specdec_kernel_isa_pins_the_instruction_set_and_its_numerics():
     env["SPECDEC_KERNEL_ISA"] = "sse2"
     refused = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert refused.returncode != 0 and "SPECDEC_KERNEL_ISA must be one of avx2, vnni, amx, not 'sse2'" in refused.stderr
+
+
+def test_with_amx_q4_k_passes_below_the_tiles_run_on_vnni_column_tiles_with_the_same_bits():
+    """Where AMX runs the totals numerics, Q4_K's passes of 2-15 rows go to the column tiles in their VNNI form
+    (dpbusd): each row's bits are the AVX2 tiles' and its own alone."""
+    ops = kernels()
+    if ops.isa() != "amx":
+        pytest.skip("this CPU gives no AMX tiles")
+    layer = QuantizedLinear(random_k_quant("Q4_K", 37, 2048, seed=10))
+    x = torch.randn(15, 2048, generator=torch.Generator().manual_seed(11))
+    assert [ops.product_kernel("q4k", rows) for rows in (1, 2, 15, 16)] == ["vnni rows", "vnni columns", "vnni columns", "amx"]
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(15)])
+    results = {rows: layer(x[:rows]) for rows in (2, 3, 4, 5, 9, 15)}
+    with kernel_settings("avx2", "totals"):
+        for rows, result in results.items():
+            assert torch.equal(result, layer(x[:rows])), f"{rows} rows"
+    for rows, result in results.items():
+        assert torch.equal(result, alone[:rows]), f"{rows} rows"

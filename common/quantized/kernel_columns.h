@@ -331,9 +331,22 @@ inline void q4k_scales(const Q4K& w, const int64_t* col, int64_t s, __m256i v[12
     }
 }
 
-// Group g (of the whole row) of R rows: total[r] += madd(p_g, scale), as above.
+// Group g (of the whole row) of R rows: total[r] += madd(p_g, scale), as above. With VNNI (kDpbusd) each column's
+// exact group total comes from 8 dpbusd instead, t_g = sum over j of dpbusd(codes_g(j), q broadcast), and
+// total += t_g * sc_g (mullo; sc_g the low int16 of scale): the same integer, a third of the instructions.
 template <int R, class Codes>
 inline void q4k_group(Codes codes, __m256i scale, const GroupRows<R>& x, int64_t g, __m256i* total) {
+    if constexpr (kDpbusd) {
+        __m256i t[R];
+        for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+            const __m256i v = codes(j);
+            for (int r = 0; r < R; ++r) t[r] = dot4_add(t[r], v, broadcast4(x.q[r] + g * 32 + 4 * j));
+        }
+        const __m256i sc = _mm256_and_si256(scale, _mm256_set1_epi32(0xFFFF));
+        for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(t[r], sc));
+        return;
+    }
     __m256i p[R];
     {
         const __m256i v = codes(0);

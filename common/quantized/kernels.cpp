@@ -139,6 +139,8 @@ constexpr int kRowTile = 4;  // 16 vector registers: 4 rows' integer and float a
 constexpr int kSplit = 0;    // madd + add: a chain of one-cycle adds
 inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s)); }
 inline __m256i dot4(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi32(acc, dot4(u, s)); }
+constexpr bool kDpbusd = false;  // column tiles: int16 sums of maddubs (kernel_columns.h)
 #include "kernel_rows.h"
 }  // namespace avx2
 
@@ -149,6 +151,8 @@ constexpr int kRowTile = 8;  // AVX-512 has 32 vector registers
 constexpr int kSplit = 2;    // dpwssd: a chain of five-cycle fused products
 inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) { return _mm256_dpwssd_epi32(acc, p, s); }
 inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+constexpr bool kDpbusd = true;  // column tiles: dpbusd's int32 sums (kernel_columns.h)
 #define SPECDEC_WIDE_TILES  // full tiles of Q4_K and Q6_K on 512-bit vectors (kernel_wide_tiles.h)
 #include "kernel_rows.h"
 #undef SPECDEC_WIDE_TILES
@@ -219,16 +223,21 @@ bool column_tiles = true;
 
 template <typename W>
 struct FormatKernels {
-    KernelFn<W> avx2_lanes, vnni_lanes, avx2_totals, vnni_totals, amx = nullptr, avx2_columns = nullptr;
+    KernelFn<W> avx2_lanes, vnni_lanes, avx2_totals, vnni_totals, amx = nullptr, avx2_columns = nullptr, vnni_columns = nullptr;
     KernelFn<W> pick(int64_t rows) const {
         if (isa_in_use == Isa::amx && amx && rows >= kAmxMinRows) return amx;
         if (isa_in_use == Isa::avx2 && totals_in_use && column_tiles && avx2_columns) return avx2_columns;
+        if (isa_in_use != Isa::avx2 && totals_in_use && column_tiles && vnni_columns && rows >= 2) return vnni_columns;
         if (isa_in_use == Isa::avx2) return totals_in_use ? avx2_totals : avx2_lanes;
         return totals_in_use ? vnni_totals : vnni_lanes;
     }
     std::string name(int64_t rows) const {
         const KernelFn<W> k = pick(rows);
-        return k == amx ? "amx" : k == avx2_columns ? "avx2 columns" : k == avx2_totals || k == avx2_lanes ? "avx2 rows" : "vnni rows";
+        return k == amx            ? "amx"
+               : k == avx2_columns ? "avx2 columns"
+               : k == vnni_columns ? "vnni columns"
+               : k == avx2_totals || k == avx2_lanes ? "avx2 rows"
+                                                     : "vnni rows";
     }
 };
 
@@ -250,7 +259,7 @@ void check_weight(const torch::Tensor& t, torch::ScalarType type, int64_t n, int
                 per_row, " contiguous values of ", c10::toString(type));
 }
 
-const FormatKernels<Q4K> q4k_kernels{&avx2::q4k<Lanes>, &vnni::q4k<Lanes>, &avx2::q4k<Totals>, &vnni::q4k<Totals>, &amx::q4k, &avx2::q4k_columns};
+const FormatKernels<Q4K> q4k_kernels{&avx2::q4k<Lanes>, &vnni::q4k<Lanes>, &avx2::q4k<Totals>, &vnni::q4k<Totals>, &amx::q4k, &avx2::q4k_columns, &vnni::q4k_columns};
 
 torch::Tensor q4k_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc, torch::Tensor mn, torch::Tensor d,
                          torch::Tensor dmin, int64_t n, int64_t k) {
