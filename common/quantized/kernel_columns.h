@@ -440,8 +440,8 @@ inline void gather_q4k(const Q4K& w, const int64_t* col, ColumnTile& t) {
 //   T      = sum over the chunks' halves of madd(p, (sc_g, sc_g)), two such p per group g   sum of sc_g * code * q, exact
 //   M      = sum over h < 8 of madd((sc_2h, sc_2h+1), (sums_2h, sums_2h+1) broadcast)     the offset's sum_g sc_g * sums_g
 //   acc    = fma(float(T - 32 M), d_s * as_s, acc)
-// Per superblock, row and 8 columns: 64 maddubs, 32 int16 adds, 40 madd, 39 int32 adds, a shift, a conversion, a
-// multiply and a fused multiply-add for 2048 multiply-adds.
+// Per superblock, row and 8 columns: 64 maddubs, 32 int16 adds, 40 madd, 39 int32 adds, a shift and a subtraction, a
+// conversion, a multiply and a fused multiply-add for 2048 multiply-adds.
 
 // Chunk c = 4 * half + j of superblock s of the tile's columns, transposed (codes 0..63). The next tile's lines
 // are prefetched.

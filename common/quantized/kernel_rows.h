@@ -285,9 +285,13 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
 //   Q4_K  acc = fma(float(T), d_s * as_s, acc); acc_min = fma(float(M), dmin_s * as_s, acc_min); result acc - acc_min
 //   Q6_K  acc = fma(float(T), d_s * as_s, acc)
 // T and M the exact totals of the row kernels (kernel_rows.h's Totals): the same bits as every other kernel.
+// Each column runs all its superblocks before the next column, its lanes kept until the tile's reduction: its
+// weights then stream in order as the row kernels read them (the 8 columns interleaved superblock by superblock,
+// 8 streams of 128 bytes at a time, cost more than the reductions save).
 
-// The rows' totals of superblock s, a row per lane: lanes[(s * 2R + j) * 8 + i] holds column i's int32 lanes of
-// row j's products (j < R) and of row j - R's minimums (Q4_K).
+// lanes[(s * 2R + j) * 8 + i]: column i's int32 lanes of superblock s for row j's products (j < R) and for row
+// j - R's minimums (Q4_K); step(s, ...) reduces and accumulates them. Used with R = 1: for 2 and 3 rows it was no
+// faster than the column tiles.
 template <int R, class W, class Gather, class Column, class Step>
 void few_row_tiles(const W& w, const QuantizedRows& a, int64_t out_features, float* y, Gather gather, Column column, Step step) {
     const int64_t tiles = (out_features + kColumns - 1) / kColumns, superblocks = w.k / 256;
