@@ -21,10 +21,12 @@
 // (as_g: the row's activation scale of group g; the result is acc.)
 
 constexpr int kColumns = 8;     // output columns of a tile: one per int32 lane
-constexpr int kColumnRows = 4;  // activation rows computed together against one unpacked tile
+// Activation rows computed together against one tile: 4 (each format's Rows<R>::kRows says; Q4_K's VNNI form takes
+// a row tile's, kRowTile: 8 with AVX-512's 32 vector registers).
+constexpr int kColumnRows = 4;
 
 // r[j] <- column j of the 8 x 8 matrix of int32 elements whose row i is r[i].
-inline void transpose8x8(__m256i r[8]) {
+SPECDEC_INLINE void transpose8x8(__m256i r[8]) {
     __m256i t[8], u[8];
     for (int i = 0; i < 4; ++i) {
         t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);      // elements 0, 1 | 4, 5 of rows 2i, 2i + 1
@@ -83,7 +85,7 @@ inline void gather_columns(const float* v, int64_t groups, const int64_t* col, f
 // where it has fewer than 8), transposed: int32 lane i of r[j] holds bytes 4j..4j+3 of column i, whose low nibbles
 // are then group 2c's weights 4j..4j+3 and whose high ones group 2c + 1's. The next tile's lines are prefetched.
 // Q4_K packs its codes the same way (nibble_codes, for either format).
-inline void nibble_codes(const uint8_t* codes, int64_t k, const int64_t* col, int64_t c, __m256i r[8]) {
+SPECDEC_INLINE void nibble_codes(const uint8_t* codes, int64_t k, const int64_t* col, int64_t c, __m256i r[8]) {
     const int64_t bytes = k / 2;
     for (int i = 0; i < 8; ++i) {
         r[i] = _mm256_loadu_si256((const __m256i*)(codes + col[i] * bytes + c * 32));
@@ -92,7 +94,7 @@ inline void nibble_codes(const uint8_t* codes, int64_t k, const int64_t* col, in
     transpose8x8(r);
 }
 
-inline void q41_codes(const Q41& w, const int64_t* col, int64_t c, __m256i r[8]) {
+SPECDEC_INLINE void q41_codes(const Q41& w, const int64_t* col, int64_t c, __m256i r[8]) {
     const int64_t groups = w.k / 32;
     _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T0);
     _mm_prefetch((const char*)(w.m + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T0);
@@ -100,7 +102,7 @@ inline void q41_codes(const Q41& w, const int64_t* col, int64_t c, __m256i r[8])
 }
 
 // Q8_0's and Q5_0's int8 codes of group g, transposed as q41_codes's.
-inline void q80_codes(const Q80& w, const int64_t* col, int64_t g, __m256i r[8]) {
+SPECDEC_INLINE void q80_codes(const Q80& w, const int64_t* col, int64_t g, __m256i r[8]) {
     for (int i = 0; i < 8; ++i) {
         r[i] = _mm256_loadu_si256((const __m256i*)(w.codes + col[i] * w.k + g * 32));
         if (!(g & 1)) _mm_prefetch((const char*)(w.codes + (col[i] + kColumns) * w.k + g * 32), _MM_HINT_T0);
@@ -187,7 +189,7 @@ inline void store_columns(const __m256* acc, float** out, int64_t first, int64_t
 //                                                                           as_g * float(s_g) once per call)
 // 8 maddubs, 7 adds, a madd, a conversion, a multiply and two fused multiply-adds per 256 multiply-adds and row.
 template <int R, class Codes>
-inline void q41_group(Codes codes, const ColumnTile& t, const GroupRows<R>& x, int64_t g, __m256* acc) {
+SPECDEC_INLINE void q41_group(Codes codes, const ColumnTile& t, const GroupRows<R>& x, int64_t g, __m256* acc) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i p[R];
     {
@@ -215,7 +217,7 @@ inline void q41_group(Codes codes, const ColumnTile& t, const GroupRows<R>& x, i
 //   acc    = fma(float(t), d_g * as_g, acc)
 // The integer total is exact either way, so the two paths give the same bits.
 template <int R, bool kSmall, class Magnitude, class Codes>
-inline void q80_group(Magnitude magnitude, Codes codes, const ColumnTile& t, const GroupRows<R>& x, int64_t g, __m256* acc) {
+SPECDEC_INLINE void q80_group(Magnitude magnitude, Codes codes, const ColumnTile& t, const GroupRows<R>& x, int64_t g, __m256* acc) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i sum[R];
     for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
@@ -237,6 +239,7 @@ inline void q80_group(Magnitude magnitude, Codes codes, const ColumnTile& t, con
 // Fused (a call of at most one row group, where one unpacking would serve only these rows): each group's codes
 // transposed and used at once, never stored.
 template <int R> struct Q41Columns {
+    static constexpr int kRows = kColumnRows;
     static constexpr bool kFused = true;
     static void unpacked(const Q41&, const int64_t*, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
         const GroupRows<R> x(a, first, t);
@@ -264,6 +267,7 @@ template <int R> struct Q41Columns {
 };
 
 template <int R> struct Q80Columns {
+    static constexpr int kRows = kColumnRows;
     static constexpr bool kFused = true;
     template <bool kSmall>
     static void unpacked_as(const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
@@ -306,7 +310,7 @@ template <int R> struct Q80Columns {
 // Superblock s's sub-block scales and minimums for the tile's columns, as int16 pairs in int32 lane i (column i):
 // v[g] = (sc_g, sc_g) for g < 8, v[8 + h] = (mn_2h, mn_2h+1) for h < 4. One 8 x 8 transpose: each column's 8 scales
 // and 8 minimums as 16 int16, whose int32 element h < 4 is a pair of scales and 4 + h a pair of minimums.
-inline void q4k_scales(const Q4K& w, const int64_t* col, int64_t s, __m256i v[12]) {
+SPECDEC_INLINE void q4k_scales(const Q4K& w, const int64_t* col, int64_t s, __m256i v[12]) {
     const int64_t groups = w.k / 32;
     __m256i r[8];
     for (int i = 0; i < 8; ++i) {
@@ -335,7 +339,7 @@ inline void q4k_scales(const Q4K& w, const int64_t* col, int64_t s, __m256i v[12
 // exact group total comes from 8 dpbusd instead, t_g = sum over j of dpbusd(codes_g(j), q broadcast), and
 // total += t_g * sc_g (mullo; sc_g the low int16 of scale): the same integer, a third of the instructions.
 template <int R, class Codes>
-inline void q4k_group(Codes codes, __m256i scale, const GroupRows<R>& x, int64_t g, __m256i* total) {
+SPECDEC_INLINE void q4k_group(Codes codes, __m256i scale, const GroupRows<R>& x, int64_t g, __m256i* total) {
     if constexpr (kDpbusd) {
         __m256i t[R];
         for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_si256();
@@ -361,7 +365,7 @@ inline void q4k_group(Codes codes, __m256i scale, const GroupRows<R>& x, int64_t
 
 // The end of superblock s for R rows: the minimums' total and both fused multiply-adds.
 template <int R>
-inline void q4k_superblock_end(const __m256i* scales, const ColumnTile& t, const GroupRows<R>& x, int64_t s, const __m256i* total,
+SPECDEC_INLINE void q4k_superblock_end(const __m256i* scales, const ColumnTile& t, const GroupRows<R>& x, int64_t s, const __m256i* total,
                                __m256* acc, __m256* acc_min) {
     const __m256 d = _mm256_loadu_ps(&t.d[s * kColumns]), dmin = _mm256_loadu_ps(&t.m[s * kColumns]);
     for (int r = 0; r < R; ++r) {
@@ -382,6 +386,7 @@ inline void store_difference(const __m256* acc, const __m256* acc_min, float** o
 }
 
 template <int R> struct Q4KColumns {
+    static constexpr int kRows = kDpbusd ? kRowTile : kColumnRows;
     static constexpr bool kFused = true;
     static void unpacked(const Q4K&, const int64_t*, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
         const GroupRows<R> x(a, first, t);
@@ -482,7 +487,7 @@ inline void q6k_scales(const Q6K& w, const int64_t* col, int64_t s, __m256i v[24
 
 // Chunk c of superblock s for R rows: total[r] += its two groups' sc_g * code * q.
 template <int R, class Codes>
-inline void q6k_chunk(Codes codes, const __m256i* scales, const GroupRows<R>& x, int64_t s, int c, __m256i* total) {
+SPECDEC_INLINE void q6k_chunk(Codes codes, const __m256i* scales, const GroupRows<R>& x, int64_t s, int c, __m256i* total) {
     for (int half = 0; half < 2; ++half) {
         const __m256i scale = scales[2 * c + half];
         const __m256i c0 = codes(4 * half), c1 = codes(4 * half + 1), c2 = codes(4 * half + 2), c3 = codes(4 * half + 3);
@@ -510,6 +515,7 @@ inline void q6k_superblock_end(const __m256i* scales, const ColumnTile& t, const
 // Q6_K's tiles are always unpacked: unpacking its 6-bit codes costs too much to repeat for a few rows (the row
 // kernels run those, q6k_columns).
 template <int R> struct Q6KColumns {
+    static constexpr int kRows = kColumnRows;
     static constexpr bool kFused = false;
     static void unpacked(const Q6K&, const int64_t*, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
         const GroupRows<R> x(a, first, t);
@@ -539,13 +545,23 @@ inline void unpack_q6k(const Q6K& w, const int64_t* col, ColumnTile& t) {
 
 inline void gather_q6k(const Q6K& w, const int64_t* col, ColumnTile& t) { gather_columns(w.d, w.k / 256, col, t.d.data()); }
 
-// Every output column for every row: tiles of 8 columns split over the threads. A call of up to kColumnRows rows
-// runs each tile fused; a longer one unpacks each tile once, then runs its rows in groups of kColumnRows (the last
-// 1-3 rows in one smaller group). Each output's operations are those above whichever path, group or tile it is in.
+// f(std::integral_constant<int, rows>()) for a run-time row count 1 <= rows <= R.
+template <int R, class F>
+inline void with_row_count(int rows, F f) {
+    if constexpr (R > 1) {
+        if (rows < R) return with_row_count<R - 1>(rows, f);
+    }
+    f(std::integral_constant<int, R>());
+}
+
+// Every output column for every row: tiles of 8 columns split over the threads. A call of up to kRows rows runs
+// each tile fused; a longer one unpacks each tile once, then runs its rows in groups of kRows (the last
+// rows in one smaller group). Each output's operations are those above whichever path, group or tile it is in.
 template <class W, template <int> class Rows, class Unpack, class Gather>
 void column_matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base, int vectors, Unpack unpack, Gather gather) {
     const int64_t tiles = (out_features + kColumns - 1) / kColumns;
-    const bool fused = Rows<1>::kFused && rows <= kColumnRows;
+    constexpr int kRows = Rows<1>::kRows;
+    const bool fused = Rows<1>::kFused && rows <= kRows;
     const int64_t groups = w.k / 32;
     std::vector<float> scaled_sums;
     if constexpr (std::is_same_v<W, Q41>) {
@@ -566,24 +582,15 @@ void column_matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out
             gather(w, col, t);
             if constexpr (Rows<1>::kFused) {
                 if (fused) {
-                    switch (rows) {
-                        case 4: Rows<4>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
-                        case 3: Rows<3>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
-                        case 2: Rows<2>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
-                        default: Rows<1>::fused(w, col, t, a, 0, out.data(), n0, valid); break;
-                    }
+                    with_row_count<kRows>((int)rows, [&](auto r) { Rows<decltype(r)::value>::fused(w, col, t, a, 0, out.data(), n0, valid); });
                     continue;
                 }
             }
             unpack(w, col, t);
             int64_t r = 0;
-            for (; r + kColumnRows <= rows; r += kColumnRows) Rows<kColumnRows>::unpacked(w, col, t, a, r, out.data(), n0, valid);
-            switch (rows - r) {
-                case 3: Rows<3>::unpacked(w, col, t, a, r, out.data(), n0, valid); break;
-                case 2: Rows<2>::unpacked(w, col, t, a, r, out.data(), n0, valid); break;
-                case 1: Rows<1>::unpacked(w, col, t, a, r, out.data(), n0, valid); break;
-                default: break;
-            }
+            for (; r + kRows <= rows; r += kRows) Rows<kRows>::unpacked(w, col, t, a, r, out.data(), n0, valid);
+            if (r < rows)
+                with_row_count<kRows - 1>((int)(rows - r), [&](auto n) { Rows<decltype(n)::value>::unpacked(w, col, t, a, r, out.data(), n0, valid); });
         }
     });
 }
