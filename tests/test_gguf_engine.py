@@ -23,7 +23,7 @@ from common.model_specs import gguf_path
 from common.models import load_model, resolve_engine
 from common.quantized import formats
 from common.quantized.gguf_file import read_tensors
-from common.quantized.kernels import kernels
+from common.quantized.kernels import kernels, use_kernels
 from common.quantized.decoder import StackedProducts
 from common.quantized.layers import QuantizedLinear
 from common.sampling import SamplingParams, logits_to_probs
@@ -132,14 +132,10 @@ def kernel_settings(isa: str, numerics: str):
     ops = kernels()
     own = ops.isa(), ops.numerics()
     try:
-        ops.set_isa("avx2")  # neither AMX nor its numerics constraint while switching
-        ops.set_numerics(numerics)
-        ops.set_isa(isa)
+        use_kernels(ops, isa, numerics)
         yield
     finally:
-        ops.set_isa("avx2")
-        ops.set_numerics(own[1])
-        ops.set_isa(own[0])
+        use_kernels(ops, *own)
 
 
 def isas_of_this_cpu(numerics: str) -> list[str]:

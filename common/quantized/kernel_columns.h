@@ -545,6 +545,14 @@ inline void unpack_q6k(const Q6K& w, const int64_t* col, ColumnTile& t) {
 
 inline void gather_q6k(const Q6K& w, const int64_t* col, ColumnTile& t) { gather_columns(w.d, w.k / 256, col, t.d.data()); }
 
+// Tile `tile`'s output columns into col (the last tile repeats its last column where fewer than 8 are left);
+// returns how many are real.
+inline int tile_columns(int64_t tile, int64_t out_features, int64_t col[kColumns]) {
+    const int64_t n0 = tile * kColumns;
+    for (int i = 0; i < kColumns; ++i) col[i] = std::min(n0 + i, out_features - 1);
+    return (int)std::min<int64_t>(kColumns, out_features - n0);
+}
+
 // f(std::integral_constant<int, rows>()) for a run-time row count 1 <= rows <= R.
 template <int R, class F>
 inline void with_row_count(int rows, F f) {
@@ -576,9 +584,8 @@ void column_matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out
         for (int64_t r = 0; r < rows; ++r) out[r] = base + r * out_features;
         for (int64_t tile = begin; tile < end; ++tile) {
             const int64_t n0 = tile * kColumns;
-            const int valid = (int)std::min<int64_t>(kColumns, out_features - n0);
             int64_t col[kColumns];
-            for (int i = 0; i < kColumns; ++i) col[i] = std::min(n0 + i, out_features - 1);
+            const int valid = tile_columns(tile, out_features, col);
             gather(w, col, t);
             if constexpr (Rows<1>::kFused) {
                 if (fused) {

@@ -289,86 +289,74 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
 // weights then stream in order as the row kernels read them (the 8 columns interleaved superblock by superblock,
 // 8 streams of 128 bytes at a time, cost more than the reductions save).
 
-// lanes[(s * 2R + j) * 8 + i]: column i's int32 lanes of superblock s for row j's products (j < R) and for row
-// j - R's minimums (Q4_K); step(s, ...) reduces and accumulates them. Used with R = 1: for 2 and 3 rows it was no
-// faster than the column tiles.
-template <int R, class W, class Gather, class Column, class Step>
-void few_row_tiles(const W& w, const QuantizedRows& a, int64_t out_features, float* y, Gather gather, Column column, Step step) {
+// lanes[s * 16 + i]: column i's int32 lanes of superblock s's products, lanes[s * 16 + 8 + i] of its minimums
+// (Q4_K); step(s, ...) reduces and accumulates them. One row only: for 2 and 3 rows the same scheme was no faster
+// than the column tiles.
+template <class W, class Gather, class Column, class Step>
+void one_row_tiles(const W& w, const QuantizedRows& a, int64_t out_features, float* y, Gather gather, Column column, Step step) {
     const int64_t tiles = (out_features + kColumns - 1) / kColumns, superblocks = w.k / 256;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         ColumnTile t(w.k / 32, 0);
-        std::vector<__m256i> lanes(superblocks * 2 * R * kColumns);
-        int64_t index[R];
-        for (int r = 0; r < R; ++r) index[r] = r;
-        const RowTile<R> x(a, index);
+        std::vector<__m256i> lanes(superblocks * 2 * kColumns);
+        const int64_t first = 0;
+        const RowTile<1> x(a, &first);
         for (int64_t tile = begin; tile < end; ++tile) {
-            const int64_t n0 = tile * kColumns;
-            const int valid = (int)std::min<int64_t>(kColumns, out_features - n0);
             int64_t col[kColumns];
-            for (int i = 0; i < kColumns; ++i) col[i] = std::min(n0 + i, out_features - 1);
+            const int valid = tile_columns(tile, out_features, col);
             gather(w, col, t);
             for (int i = 0; i < kColumns; ++i) column(col[i], i, x, lanes.data());
-            __m256 acc[R], acc_min[R];
-            for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
-            for (int64_t s = 0; s < superblocks; ++s) step(s, t, x, &lanes[s * 2 * R * kColumns], acc, acc_min);
-            for (int r = 0; r < R; ++r) {
-                alignas(32) float out[8];
-                _mm256_store_ps(out, _mm256_sub_ps(acc[r], acc_min[r]));
-                for (int i = 0; i < valid; ++i) y[r * out_features + n0 + i] = out[i];
-            }
+            __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+            for (int64_t s = 0; s < superblocks; ++s) step(s, t, x, &lanes[s * 2 * kColumns], acc, acc_min);
+            alignas(32) float out[8];
+            _mm256_store_ps(out, _mm256_sub_ps(acc, acc_min));
+            for (int i = 0; i < valid; ++i) y[tile * kColumns + i] = out[i];
         }
     });
 }
 
-template <int R>
-inline void q4k_few_rows(const Q4K& w, const QuantizedRows& a, int64_t out_features, float* y) {
+inline void q4k_one_row(const Q4K& w, const QuantizedRows& a, int64_t out_features, float* y) {
     const int64_t superblocks = w.k / 256;
-    auto column = [&](int64_t n, int i, const RowTile<R>& x, __m256i* lanes) {
+    auto column = [&](int64_t n, int i, const RowTile<1>& x, __m256i* lanes) {
         const Q4K row = w.row(n);
         const uint8_t* ahead = row.codes + prefetch_rows(w.k / 2) * (w.k / 2);
         for (int64_t s = 0; s < superblocks; ++s) {
             prefetch(ahead + s * 128, 128);
-            __m256i isum[R];
-            const __m128i mins = q4k_superblock<R>(row, s, x, isum);
-            __m256i* block = &lanes[s * 2 * R * kColumns];
-            for (int r = 0; r < R; ++r) {
-                block[r * kColumns + i] = isum[r];
-                block[(R + r) * kColumns + i] =
-                    _mm256_zextsi128_si256(_mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(x.sums[r] + s * 8))));
-            }
+            // Into a local first: written through the pointer, the sums would go back to memory after every
+            // int8 load (which may alias them).
+            __m256i isum;
+            const __m128i mins = q4k_superblock<1>(row, s, x, &isum);
+            __m256i* block = &lanes[s * 2 * kColumns];
+            block[i] = isum;
+            block[kColumns + i] = _mm256_zextsi128_si256(_mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(x.sums[0] + s * 8))));
         }
     };
-    auto step = [&](int64_t s, const ColumnTile& t, const RowTile<R>& x, const __m256i* block, __m256* acc, __m256* acc_min) {
+    auto step = [&](int64_t s, const ColumnTile& t, const RowTile<1>& x, const __m256i* block, __m256& acc, __m256& acc_min) {
+        const __m256 as = _mm256_set1_ps(x.scale[0][s]);
         const __m256 d = _mm256_loadu_ps(&t.d[s * kColumns]), dmin = _mm256_loadu_ps(&t.m[s * kColumns]);
-        for (int r = 0; r < R; ++r) {
-            const __m256 as = _mm256_set1_ps(x.scale[r][s]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<8>(&block[r * kColumns])), _mm256_mul_ps(d, as), acc[r]);
-            acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<8>(&block[(R + r) * kColumns])), _mm256_mul_ps(dmin, as), acc_min[r]);
-        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<8>(block)), _mm256_mul_ps(d, as), acc);
+        acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<8>(block + kColumns)), _mm256_mul_ps(dmin, as), acc_min);
     };
-    few_row_tiles<R>(w, a, out_features, y, &gather_q4k, column, step);
+    one_row_tiles(w, a, out_features, y, &gather_q4k, column, step);
 }
 
-template <int R>
-inline void q6k_few_rows(const Q6K& w, const QuantizedRows& a, int64_t out_features, float* y) {
+inline void q6k_one_row(const Q6K& w, const QuantizedRows& a, int64_t out_features, float* y) {
     const int64_t superblocks = w.k / 256;
-    auto column = [&](int64_t n, int i, const RowTile<R>& x, __m256i* lanes) {
+    auto column = [&](int64_t n, int i, const RowTile<1>& x, __m256i* lanes) {
         const Q6K row = w.row(n);
         const int64_t ahead = prefetch_rows(w.k / 2 + w.k / 4);
         for (int64_t s = 0; s < superblocks; ++s) {
             prefetch(row.ql + ahead * (w.k / 2) + s * 128, 128);
             prefetch(row.qh + ahead * (w.k / 4) + s * 64, 64);
-            __m256i isum[R];
-            q6k_superblock<R>(row, s, x, isum);
-            for (int r = 0; r < R; ++r) lanes[(s * 2 * R + r) * kColumns + i] = isum[r];
+            __m256i isum;  // a local, as q4k_one_row's
+            q6k_superblock<1>(row, s, x, &isum);
+            lanes[s * 2 * kColumns + i] = isum;
         }
     };
-    auto step = [&](int64_t s, const ColumnTile& t, const RowTile<R>& x, const __m256i* block, __m256* acc, __m256*) {
+    auto step = [&](int64_t s, const ColumnTile& t, const RowTile<1>& x, const __m256i* block, __m256& acc, __m256&) {
         const __m256 d = _mm256_loadu_ps(&t.d[s * kColumns]);
-        for (int r = 0; r < R; ++r)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<8>(&block[r * kColumns])), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r][s])), acc[r]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_totals<8>(block)), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[0][s])), acc);
     };
-    few_row_tiles<R>(w, a, out_features, y, &gather_q6k, column, step);
+    one_row_tiles(w, a, out_features, y, &gather_q6k, column, step);
 }
 
 // ---- driver --------------------------------------------------------------------------------------------------
@@ -453,11 +441,11 @@ inline void q41(const Q41& w, const QuantizedRows& a, int64_t rows, int64_t n, f
 constexpr int64_t kQ6KColumnRows = 12;
 
 inline void q4k_columns(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
-    if (rows == 1) return q4k_few_rows<1>(w, a, n, y);
+    if (rows == 1) return q4k_one_row(w, a, n, y);
     column_matmul<Q4K, Q4KColumns>(w, a, rows, n, y, 8, &unpack_q4k, &gather_q4k);
 }
 inline void q6k_columns(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
-    if (rows == 1) return q6k_few_rows<1>(w, a, n, y);
+    if (rows == 1) return q6k_one_row(w, a, n, y);
     if (rows < kQ6KColumnRows) return q6k<Totals>(w, a, rows, n, y);
     column_matmul<Q6K, Q6KColumns>(w, a, rows, n, y, 8, &unpack_q6k, &gather_q6k);
 }

@@ -221,10 +221,12 @@ void set_numerics(const std::string& name) {
 template <typename W>
 using KernelFn = void (*)(const W&, const QuantizedRows&, int64_t, int64_t, float*);
 
-// A format's kernels: on each instruction set in each numerics, and on AMX (Totals; none for the formats without).
-// AVX2's column tiles of Q4_K (kernel_columns.h) in Totals, or its row kernels (the tests and the bench compare them).
+// Q4_K's and Q6_K's column tiles (kernel_columns.h) in Totals, or their row kernels (the tests and the bench
+// compare them).
 bool column_tiles = true;
 
+// A format's kernels: on each instruction set in each numerics, on AMX (Totals; none for the formats without) and
+// in column tiles (Totals: AVX2's, and for Q4_K a VNNI form for the passes below AMX's).
 template <typename W>
 struct FormatKernels {
     KernelFn<W> avx2_lanes, vnni_lanes, avx2_totals, vnni_totals, amx = nullptr, avx2_columns = nullptr, vnni_columns = nullptr;

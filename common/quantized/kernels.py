@@ -80,8 +80,13 @@ def pin_isa(module) -> None:
         return
     if isa not in ISA_NUMERICS:
         raise RuntimeError(f"SPECDEC_KERNEL_ISA must be one of {', '.join(ISA_NUMERICS)}, not {isa!r}")
+    use_kernels(module, isa, ISA_NUMERICS[isa])
+
+
+def use_kernels(module, isa: str, numerics: str) -> None:
+    """Run the kernels on `isa` in `numerics`: through AVX2, which neither AMX nor its numerics constraint binds."""
     module.set_isa("avx2")
-    module.set_numerics(ISA_NUMERICS[isa])
+    module.set_numerics(numerics)
     module.set_isa(isa)
 
 
