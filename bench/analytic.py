@@ -6,7 +6,7 @@ one target step (T_draft / T_target). Short functions on floats, each computing 
 
 import statistics
 
-from common.acceptance import expected_tokens
+from specdec.common.acceptance import expected_tokens
 
 
 def predicted_speedup(alpha: float, gamma: int, c: float) -> float:

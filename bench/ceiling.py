@@ -1,4 +1,4 @@
-"""`python -m bench.ceiling RESULTS.json`: how far a workload's greedy outputs could be drafted, worked out offline.
+"""`python -m specdec.bench.ceiling RESULTS.json`: how far a workload's greedy outputs could be drafted, worked out offline.
 
 A greedy output is deterministic, so the fate of any proposal is known without the target: replaying a run's
 target-only outputs through a proposer shows what drafting could reach there, free of this machine's noise. Per
@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.drafting import editing_requests, grounded_requests
-from bench.runner import load_prompts
-from draft_worker.suffix import SuffixProposer
-from draft_worker.suffix_tree import Speculation
+from specdec.bench.drafting import editing_requests, grounded_requests
+from specdec.bench.runner import load_prompts
+from specdec.draft_worker.suffix import SuffixProposer
+from specdec.draft_worker.suffix_tree import Speculation
 
 CAP = 16  # most tokens a round may verify beyond its own (the coordinator's max_num_speculative_tokens)
 OVERHEAD = 0.1  # a round's cost beyond its pass, in steps (about 3 ms of a 28-30 ms 1.5B step, docs/results/)
@@ -189,18 +189,18 @@ def report(table: dict[str, dict[str, dict]], curve: dict[int, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench.ceiling", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="a drafting or llama-cpp suite's results.json")
     parser.add_argument("--costs", help="the target's pass by tokens scored, ms: 1:28.3,2:28.9,4:47.7 (default: the results')")
     args = parser.parse_args(argv)
-    from common.models import load_tokenizer
+    from specdec.common.models import load_tokenizer
 
     results = json.loads(args.results.read_text())
     try:
         curve = curve_of(results, args.costs)
         cost = interpolated(curve)
     except ValueError as error:  # --costs that is not 1:MS,2:MS,... or too short a curve
-        raise SystemExit(f"python -m bench.ceiling: --costs: {error}") from None
+        raise SystemExit(f"python -m specdec.bench.ceiling: --costs: {error}") from None
     tokenizer = load_tokenizer(results["config"]["target_model"])
     table = {workload: bounds(requests, cost) for workload, requests in requests_of(results, tokenizer).items()}
     sys.stdout.write(report(table, curve))

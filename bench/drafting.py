@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from bench.performance import wave
-from bench.runner import grpc_run, load_prompts, machine_description, rotated, run_to_dict
-from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, free_port, model_draft_for
+from specdec.bench.performance import wave
+from specdec.bench.runner import grpc_run, load_prompts, machine_description, rotated, run_to_dict
+from specdec.coordinator.client import GenerationClient
+from specdec.coordinator.cluster import Cluster, free_port, model_draft_for
 
 TASKS_FILE = Path(__file__).with_name("editing_tasks.json")
 WARM_UP_PROMPT = "capital"  # in neither workload

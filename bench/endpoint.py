@@ -2,7 +2,7 @@
 sent one after another as greedy requests, after one warm-up request; the same figure for any deployment, so two
 can be compared on one machine (docs/docker.md compares the compose cluster with `specdec up`).
 
-    python -m bench.endpoint 127.0.0.1:50051 --requests 8 --max-new-tokens 64
+    python -m specdec.bench.endpoint 127.0.0.1:50051 --requests 8 --max-new-tokens 64
 """
 
 import argparse
@@ -10,7 +10,7 @@ import json
 import pathlib
 import time
 
-from coordinator.client import GenerationClient
+from specdec.coordinator.client import GenerationClient
 
 PROMPTS = pathlib.Path(__file__).with_name("prompts.json")
 
@@ -41,7 +41,7 @@ def measure(address: str, requests: int, max_new_tokens: int, repeats: int) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.endpoint", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench.endpoint", description=__doc__.split("\n\n")[0])
     parser.add_argument("address", nargs="?", default="127.0.0.1:50051")
     parser.add_argument("--requests", type=int, default=8, help="prompts from bench/prompts.json (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=64)

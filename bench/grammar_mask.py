@@ -1,7 +1,7 @@
 """What a grammar's mask costs per token: the matcher's mask computed, unpacked and applied to one row of logits,
 walking a JSON answer token by token under its schema (the work the target does per verified position).
 
-    python -m bench.grammar_mask --model qwen2.5-coder-1.5b
+    python -m specdec.bench.grammar_mask --model qwen2.5-coder-1.5b
 """
 
 import argparse
@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from common.grammar import GrammarMatcher, grammar_of_schema, mask_logits, vocabulary_of
-from common.models import load_tokenizer
+from specdec.common.grammar import GrammarMatcher, grammar_of_schema, mask_logits, vocabulary_of
+from specdec.common.models import load_tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -25,13 +25,13 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.llama_server import LlamaServer
-from bench.runner import grpc_run, load_prompts, machine_description, rotated, run_to_dict
-from common.model_specs import gguf_path, split_variant
-from common.models import load_model
-from coordinator.client import GenerationClient
-from coordinator.cluster import MODEL_FREE_DRAFT_IN_COORDINATOR, Cluster, default_draft_for, free_port, model_draft_for
-from draft_worker.specs import is_ngram
+from specdec.bench.llama_server import LlamaServer
+from specdec.bench.runner import grpc_run, load_prompts, machine_description, rotated, run_to_dict
+from specdec.common.model_specs import gguf_path, split_variant
+from specdec.common.models import load_model
+from specdec.coordinator.client import GenerationClient
+from specdec.coordinator.cluster import MODEL_FREE_DRAFT_IN_COORDINATOR, Cluster, default_draft_for, free_port, model_draft_for
+from specdec.draft_worker.specs import is_ngram
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 CATEGORIES = ("code", "input-grounded")

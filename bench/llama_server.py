@@ -3,7 +3,7 @@ requests the way specdec's workers do, and its `-md` runs speculative decoding w
 
 It is built once from the llama.cpp sources vendored in llama-cpp-python's sdist (the same llama.cpp as the
 in-process peer, `specdec[peers]`), with the machine's cmake and compiler, into the specdec cache
-(`python -m bench.llama_server` builds it; 10-15 minutes on 2 cores). Nothing is fetched but the sdist, from PyPI.
+(`python -m specdec.bench.llama_server` builds it; 10-15 minutes on 2 cores). Nothing is fetched but the sdist, from PyPI.
 """
 
 import json
@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common.model_files import cache_dir
+from specdec.common.model_files import cache_dir
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # as pyproject's `peers` extra
 CMAKE_OPTIONS = [

@@ -19,20 +19,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.runner import load_prompts, machine_description, percentile
-from bench.transport_floor import measure_floor
-from common.config import DEFAULT_TARGET_MODEL, WorkerConfig
-from common.models import load_model
-from common.sampling import SamplingParams
-from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, free_port
-from coordinator.in_process import InProcessWorkers
-from coordinator.server import build_engine
-from coordinator.config import CoordinatorConfig
-from coordinator.types import GenerationParams
-from draft_worker.engine import DraftEngine
-from draft_worker.ngram import PromptLookupProposer
-from target_worker.engine import TargetEngine
+from specdec.bench.runner import load_prompts, machine_description, percentile
+from specdec.bench.transport_floor import measure_floor
+from specdec.common.config import DEFAULT_TARGET_MODEL, WorkerConfig
+from specdec.common.models import load_model
+from specdec.common.sampling import SamplingParams
+from specdec.coordinator.client import GenerationClient
+from specdec.coordinator.cluster import Cluster, free_port
+from specdec.coordinator.in_process import InProcessWorkers
+from specdec.coordinator.server import build_engine
+from specdec.coordinator.config import CoordinatorConfig
+from specdec.coordinator.types import GenerationParams
+from specdec.draft_worker.engine import DraftEngine
+from specdec.draft_worker.ngram import PromptLookupProposer
+from specdec.target_worker.engine import TargetEngine
 
 TINY_TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"
 QUICK_PROMPTS = ["fix-typos", "palindrome", "capital"]

@@ -23,16 +23,16 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from bench.performance import passes
-from bench.runner import cost_curve, grpc_run, hf_run, load_prompts, machine_description, run_to_dict
-from common.model_runner import CALIBRATION_CONTEXT
-from common.model_specs import split_variant
-from common.models import load_model
-from common.packed_linear import can_pack, pack_linear_layers
-from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, default_draft_for, free_port, model_draft_for
-from coordinator.worker_clients import info_from_proto
-from draft_worker.specs import is_ngram
+from specdec.bench.performance import passes
+from specdec.bench.runner import cost_curve, grpc_run, hf_run, load_prompts, machine_description, run_to_dict
+from specdec.common.model_runner import CALIBRATION_CONTEXT
+from specdec.common.model_specs import split_variant
+from specdec.common.models import load_model
+from specdec.common.packed_linear import can_pack, pack_linear_layers
+from specdec.coordinator.client import GenerationClient
+from specdec.coordinator.cluster import Cluster, default_draft_for, free_port, model_draft_for
+from specdec.coordinator.worker_clients import info_from_proto
+from specdec.draft_worker.specs import is_ngram
 from specdec.v1 import draft_pb2_grpc, target_pb2_grpc, worker_pb2
 
 DEFAULT_PAIR_TARGET = "qwen2.5-coder-1.5b"
@@ -225,7 +225,7 @@ def passes_count(config: PairConfig, prompts: list[dict]) -> int:
 
 def run_pair(config: PairConfig) -> Path:
     """Runs both phases; writes results.json, report.md and cost_curves.png; returns the output folder."""
-    from bench.pair_report import analyse_pair, write_pair_report
+    from specdec.bench.pair_report import analyse_pair, write_pair_report
 
     out = Path(config.output_root) / config.name
     out.mkdir(parents=True, exist_ok=True)

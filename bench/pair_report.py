@@ -2,11 +2,11 @@
 
 from pathlib import Path
 
-from bench.pair import ALL_SYSTEMS, CURVE_TOKENS, HF_ASSISTED, HF_GENERATE, SPECDEC_SYSTEMS, TARGET_ONLY
-from bench.performance_report import median_tps, paired_ratio
-from bench.report import figure, table
-from bench.runner import acceptance_by_position
-from common.model_runner import CALIBRATION_CONTEXT
+from specdec.bench.pair import ALL_SYSTEMS, CURVE_TOKENS, HF_ASSISTED, HF_GENERATE, SPECDEC_SYSTEMS, TARGET_ONLY
+from specdec.bench.performance_report import median_tps, paired_ratio
+from specdec.bench.report import figure, table
+from specdec.bench.runner import acceptance_by_position
+from specdec.common.model_runner import CALIBRATION_CONTEXT
 
 AUTO = "specdec auto (gRPC)"
 MEMORY_LIMIT_GIB = 20

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.runner import grpc_run, hf_run, load_prompts, machine_description, run_to_dict
-from common.models import load_model
-from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, default_draft_for, free_port
-from draft_worker.specs import is_ngram
+from specdec.bench.runner import grpc_run, hf_run, load_prompts, machine_description, run_to_dict
+from specdec.common.models import load_model
+from specdec.coordinator.client import GenerationClient
+from specdec.coordinator.cluster import Cluster, default_draft_for, free_port
+from specdec.draft_worker.specs import is_ngram
 
 QUICK_PROMPTS = ["fix-typos", "palindrome", "capital"]
 
@@ -172,7 +172,7 @@ def overlap_runs(config: PerformanceConfig, client: GenerationClient, prompts: l
 
 
 def run_performance(config: PerformanceConfig) -> Path:
-    from bench.performance_report import analyse_performance, write_performance_report
+    from specdec.bench.performance_report import analyse_performance, write_performance_report
 
     out = Path(config.output_root) / config.name
     out.mkdir(parents=True, exist_ok=True)

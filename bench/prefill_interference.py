@@ -17,10 +17,10 @@ from pathlib import Path
 
 import grpc
 
-from bench.runner import machine_description
-from common.config import DEFAULT_TARGET_MODEL, WorkerConfig
-from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, free_port
+from specdec.bench.runner import machine_description
+from specdec.common.config import DEFAULT_TARGET_MODEL, WorkerConfig
+from specdec.coordinator.client import GenerationClient
+from specdec.coordinator.cluster import Cluster, free_port
 
 STREAMS = 4
 UNCHUNKED = 1 << 20  # a chunk no prompt reaches: one pass per prefill

@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-from common.acceptance import expected_tokens  # noqa: E402
+from specdec.common.acceptance import expected_tokens  # noqa: E402
 
 PLOTS = ["speedup_vs_gamma.png", "acceptance_by_position.png", "time_split.png", "tokens_per_second.png"]
 

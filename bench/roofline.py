@@ -25,12 +25,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from bench.runner import machine_description
-from common.models import load_model
-from common.quantized.decoder import StackedProducts
-from common.quantized.formats import pack
-from common.quantized.kernels import kernels
-from common.quantized.layers import QuantizedLinear
+from specdec.bench.runner import machine_description
+from specdec.common.models import load_model
+from specdec.common.quantized.decoder import StackedProducts
+from specdec.common.quantized.formats import pack
+from specdec.common.quantized.kernels import kernels
+from specdec.common.quantized.layers import QuantizedLinear
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 64, 128, 256, 512)
 QUICK_ROWS = (1, 2, 4, 8, 16, 64)

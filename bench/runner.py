@@ -13,23 +13,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench import analytic
-from common.cached_sequence import CachedSequence
-from common.config import WorkerConfig
-from common.models import load_model
-from common.protocol import DRAFT_SOURCE_OF
-from common.sampling import SamplingParams
-from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, default_draft_for, free_port
-from coordinator.config import CoordinatorConfig
-from coordinator.types import GenerationParams
-from coordinator.in_process import InProcessWorkers
-from coordinator.server import build_engine
-from draft_worker.engine import DraftEngine
-from draft_worker.model_proposer import ModelProposer
-from draft_worker.ngram import PromptLookupProposer, find_continuation, parse_ngram
-from draft_worker.specs import is_ngram
-from target_worker.engine import TargetEngine
+from specdec.bench import analytic
+from specdec.common.cached_sequence import CachedSequence
+from specdec.common.config import WorkerConfig
+from specdec.common.models import load_model
+from specdec.common.protocol import DRAFT_SOURCE_OF
+from specdec.common.sampling import SamplingParams
+from specdec.coordinator.client import GenerationClient
+from specdec.coordinator.cluster import Cluster, default_draft_for, free_port
+from specdec.coordinator.config import CoordinatorConfig
+from specdec.coordinator.types import GenerationParams
+from specdec.coordinator.in_process import InProcessWorkers
+from specdec.coordinator.server import build_engine
+from specdec.draft_worker.engine import DraftEngine
+from specdec.draft_worker.model_proposer import ModelProposer
+from specdec.draft_worker.ngram import PromptLookupProposer, find_continuation, parse_ngram
+from specdec.draft_worker.specs import is_ngram
+from specdec.target_worker.engine import TargetEngine
 
 DEFAULT_GAMMA = 4
 QUICK_PROMPTS = ["fix-typos", "palindrome", "capital"]
@@ -58,7 +58,7 @@ class BenchConfig:
 
 
 def load_prompts(ids: list[str] | None) -> list[dict]:
-    prompts = json.loads(importlib.resources.files("bench").joinpath("prompts.json").read_text())
+    prompts = json.loads(importlib.resources.files("specdec.bench").joinpath("prompts.json").read_text())
     return [p for p in prompts if ids is None or p["id"] in ids]
 
 
@@ -315,7 +315,7 @@ def runs_per_prompt(config: BenchConfig) -> int:
 
 def run_bench(config: BenchConfig) -> Path:
     """Runs the whole suite; writes results.json, report.md and the plots; returns the output folder."""
-    from bench.report import write_report
+    from specdec.bench.report import write_report
 
     out = Path(config.output_root) / config.name
     out.mkdir(parents=True, exist_ok=True)

@@ -21,10 +21,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.runner import load_prompts, machine_description, percentile
-from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL, WorkerConfig
-from coordinator.client import GenerationClient
-from coordinator.cluster import Cluster, free_port
+from specdec.bench.runner import load_prompts, machine_description, percentile
+from specdec.common.config import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET_MODEL, WorkerConfig
+from specdec.coordinator.client import GenerationClient
+from specdec.coordinator.cluster import Cluster, free_port
 from specdec.v1 import generation_pb2, worker_pb2
 
 TINY_TARGET = "tiny-random:seed=0,vocab=256,layers=2,hidden=64"

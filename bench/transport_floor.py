@@ -2,7 +2,7 @@
 speculation round (draft, then target), between minimal servers that do nothing but answer (the target after
 computing for as long as a real verification took), in processes of their own, over Unix sockets.
 
-    python -m bench.transport_floor serve draft|target SOCKET WORK_US   (started by measure_floor)
+    python -m specdec.bench.transport_floor serve draft|target SOCKET WORK_US   (started by measure_floor)
 """
 
 import asyncio
@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from bench.runner import percentile
-from common.grpc_options import CHANNEL_OPTIONS, GRPC_OPTIONS
+from specdec.bench.runner import percentile
+from specdec.common.grpc_options import CHANNEL_OPTIONS, GRPC_OPTIONS
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, worker_pb2
 
 
@@ -83,7 +83,7 @@ def measure_floor(work_us: int, count: int = 300) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="specdec-floor-") as folder:
         sockets = {role: str(Path(folder) / f"{role}.sock") for role in ("draft", "target")}
         servers = [
-            subprocess.Popen([sys.executable, "-m", "bench.transport_floor", "serve", role, sockets[role], str(work_us)])
+            subprocess.Popen([sys.executable, "-m", "specdec.bench.transport_floor", "serve", role, sockets[role], str(work_us)])
             for role in ("draft", "target")
         ]
         try:

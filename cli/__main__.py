@@ -1,7 +1,7 @@
-"""`python -m cli ...` is `specdec ...` (coordinator/cluster.py starts the services this way)."""
+"""`python -m specdec.cli ...` is `specdec ...` (coordinator/cluster.py starts the services this way)."""
 
 import sys
 
-from cli.main import main
+from specdec.cli.main import main
 
 sys.exit(main())

@@ -5,8 +5,8 @@ import json
 import os
 import sys
 
-from cli.serve import add_serve_parser, run_serve
-from common.config import DEFAULT_PORTS, DEFAULT_TARGET_MODEL, WorkerConfig
+from specdec.cli.serve import add_serve_parser, run_serve
+from specdec.common.config import DEFAULT_PORTS, DEFAULT_TARGET_MODEL, WorkerConfig
 
 COORDINATOR_ADDRESS = f"localhost:{DEFAULT_PORTS['coordinator']}"
 
@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run_generate(args) -> int:
     import grpc
 
-    from coordinator.client import GenerationClient, response_to_dict
-    from coordinator.explain import explain_table
+    from specdec.coordinator.client import GenerationClient, response_to_dict
+    from specdec.coordinator.explain import explain_table
 
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     options = dict(
@@ -173,7 +173,7 @@ def run_status(args) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from coordinator.client import GenerationClient
+    from specdec.coordinator.client import GenerationClient
 
     try:
         with GenerationClient(args.address, token=args.token) as client:
@@ -187,15 +187,15 @@ def run_status(args) -> int:
 
 # Each suite: its module, config class and run function, and the common settings it does not take.
 BENCH_SUITES = {
-    "speedup": ("bench.runner", "BenchConfig", "run_bench", ()),
-    "pair": ("bench.pair", "PairConfig", "run_pair", ()),
-    "overhead": ("bench.overhead", "OverheadConfig", "run_overhead", ()),
-    "scale": ("bench.scale", "ScaleConfig", "run_scale", ()),
-    "llama-cpp": ("bench.llama_cpp", "LlamaCppConfig", "run_llama_cpp", ("device",)),
-    "prefill": ("bench.prefill_interference", "PrefillConfig", "run_prefill", ()),
-    "drafting": ("bench.drafting", "DraftingConfig", "run_drafting", ()),
-    "roofline": ("bench.roofline", "RooflineConfig", "run_roofline", ("device", "draft_model", "max_new_tokens")),
-    "performance": ("bench.performance", "PerformanceConfig", "run_performance", ()),
+    "speedup": ("specdec.bench.runner", "BenchConfig", "run_bench", ()),
+    "pair": ("specdec.bench.pair", "PairConfig", "run_pair", ()),
+    "overhead": ("specdec.bench.overhead", "OverheadConfig", "run_overhead", ()),
+    "scale": ("specdec.bench.scale", "ScaleConfig", "run_scale", ()),
+    "llama-cpp": ("specdec.bench.llama_cpp", "LlamaCppConfig", "run_llama_cpp", ("device",)),
+    "prefill": ("specdec.bench.prefill_interference", "PrefillConfig", "run_prefill", ()),
+    "drafting": ("specdec.bench.drafting", "DraftingConfig", "run_drafting", ()),
+    "roofline": ("specdec.bench.roofline", "RooflineConfig", "run_roofline", ("device", "draft_model", "max_new_tokens")),
+    "performance": ("specdec.bench.performance", "PerformanceConfig", "run_performance", ()),
 }
 
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(args)
     if args.command == "up":
-        from coordinator.cluster import up
+        from specdec.coordinator.cluster import up
 
         return up(
             args.target_model,
@@ -252,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return run_status(args)
     if args.command == "health":
-        from coordinator.cluster import is_serving
+        from specdec.coordinator.cluster import is_serving
 
         return 0 if is_serving(args.address) else 1
-    from coordinator.demo import run_demo
+    from specdec.coordinator.demo import run_demo
 
     return run_demo()
 

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from common.config import (
+from specdec.common.config import (
     DEFAULT_PORTS,
     ConfigError,
     DraftWorkerConfig,
@@ -16,7 +16,7 @@ from common.config import (
     add_arguments,
     from_arguments,
 )
-from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, HttpSettings, PoolSettings
+from specdec.coordinator.config import CoordinatorConfig, CoordinatorServerConfig, HttpSettings, PoolSettings
 
 # The settings classes each role's flags come from; ServerOptions' flags are every role's.
 ROLE_SETTINGS = {
@@ -44,8 +44,8 @@ def add_serve_parser(commands) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from common.lifecycle import configure_logging
-    from common.telemetry import setup_telemetry, shutdown_telemetry
+    from specdec.common.lifecycle import configure_logging
+    from specdec.common.telemetry import setup_telemetry, shutdown_telemetry
 
     configure_logging(args.log_level)
     options = from_arguments(args, ServerOptions)
@@ -65,7 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def startup_reason(error: Exception) -> str:
     """An error as one line: specdec's own errors say what and where (the file, the field); others add their type."""
-    from common.errors import SpecdecError
+    from specdec.common.errors import SpecdecError
 
     text = str(error) if isinstance(error, SpecdecError) else f"{type(error).__name__}: {error}"
     return " ".join(text.split())
@@ -73,20 +73,20 @@ def startup_reason(error: Exception) -> str:
 
 def serve_role(args: argparse.Namespace, options: ServerOptions) -> int:
     if args.role == "target":
-        from target_worker.server import serve
+        from specdec.target_worker.server import serve
 
         config = from_arguments(args, WorkerConfig)
         limit_compute(config.threads, config.cpus)
         asyncio.run(serve(config, options))
     elif args.role == "draft":
-        from draft_worker.server import serve
+        from specdec.draft_worker.server import serve
 
         config = from_arguments(args, DraftWorkerConfig)
         limit_compute(config.threads, config.cpus)
         asyncio.run(serve(config, options))
     else:
-        from coordinator.workers import IncompatibleWorkers
-        from coordinator.server import serve
+        from specdec.coordinator.workers import IncompatibleWorkers
+        from specdec.coordinator.server import serve
 
         settings = from_arguments(args, CoordinatorServerConfig)
         if not settings.target:

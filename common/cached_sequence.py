@@ -7,8 +7,8 @@ of several sessions run as one batch (forward_batch).
 
 import torch
 
-from common.batched_forward import as_sampling_input
-from common.model_runner import ModelRunner
+from specdec.common.batched_forward import as_sampling_input
+from specdec.common.model_runner import ModelRunner
 
 
 class CachedSequence:

@@ -12,8 +12,8 @@ import types
 import typing
 from dataclasses import MISSING, dataclass
 
-from common.tls import TlsFiles
-from common.wire_limits import MAX_Q_ENTRIES
+from specdec.common.tls import TlsFiles
+from specdec.common.wire_limits import MAX_Q_ENTRIES
 
 DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053, "http": 8000}  # http: the OpenAI API
 DEFAULT_TARGET_MODEL = "smollm2-135m"

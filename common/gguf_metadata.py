@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.model_files import cache_dir
+from specdec.common.model_files import cache_dir
 
 log = logging.getLogger("specdec")
 
@@ -63,7 +63,7 @@ def converted_folder(path: str) -> Path:
 if __name__ == "__main__":  # ahead of time, for the given model specs (the Makefile does the shipped ones)
     import sys
 
-    from common.model_specs import gguf_path
+    from specdec.common.model_specs import gguf_path
 
     logging.basicConfig(level=logging.INFO)
     for spec in sys.argv[1:]:

@@ -17,7 +17,7 @@ import llguidance
 import numpy as np
 import torch
 
-from common.errors import InvalidArgument
+from specdec.common.errors import InvalidArgument
 
 MAX_GRAMMAR_CHARS = 64 * 1024
 # Bounds on compiling and on each mask step (llguidance's "fuel": work, not time, so a grammar is refused the same

@@ -8,7 +8,7 @@ import inspect
 
 import grpc
 
-from common.errors import classified
+from specdec.common.errors import classified
 
 # Clients with a retry policy retry UNAVAILABLE (the Python client's does, on the next coordinator). A server that
 # already spent its own retries on a request sends this with its final UNAVAILABLE: gRPC does not retry a call

@@ -6,11 +6,11 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.auth import BearerTokenInterceptor
-from common.config import ServerOptions
-from common.grpc_options import SERVER_OPTIONS
-from common.services import add_service
-from common.tls import server_credentials
+from specdec.common.auth import BearerTokenInterceptor
+from specdec.common.config import ServerOptions
+from specdec.common.grpc_options import SERVER_OPTIONS
+from specdec.common.services import add_service
+from specdec.common.tls import server_credentials
 
 
 async def create_server(

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import grpc
 
-from common import errors
-from common.grpc_server import set_serving
+from specdec.common import errors
+from specdec.common.grpc_server import set_serving
 
 # After a drain, what calls still running get before the server stops (the drain already waited --grace-period).
 FINAL_STOP_SECONDS = 1.0

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.tokenizer import Tokenizer
+from specdec.common.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from common.model_runner import ModelRunner
+    from specdec.common.model_runner import ModelRunner
 
 
 @dataclass
@@ -28,6 +28,6 @@ class LoadedModel:
     @functools.cached_property
     def runner(self) -> "ModelRunner":
         """How the model's passes run (common.model_runner); made at first use, after any variant has changed it."""
-        from common.model_runner import runner_for
+        from specdec.common.model_runner import runner_for
 
         return runner_for(self.model, self.engine, self.batch_invariant)

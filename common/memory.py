@@ -6,7 +6,7 @@ loading, with no message; the check refuses it first, with one line naming the f
 
 from pathlib import Path
 
-from common.errors import ResourceExhausted
+from specdec.common.errors import ResourceExhausted
 
 CGROUP = Path("/sys/fs/cgroup")  # cgroup v2: a container's or pod's memory limit
 

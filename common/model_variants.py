@@ -5,8 +5,8 @@ import warnings
 
 import torch
 
-from common.errors import InvalidArgument
-from common.loaded_model import LoadedModel
+from specdec.common.errors import InvalidArgument
+from specdec.common.loaded_model import LoadedModel
 
 
 def make_variant(loaded: LoadedModel, variant: str, spec: str) -> LoadedModel:

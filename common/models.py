@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from common.errors import InvalidArgument
-from common.loaded_model import LoadedModel
-from common.memory import check_fits
-from common.model_specs import (
+from specdec.common.errors import InvalidArgument
+from specdec.common.loaded_model import LoadedModel
+from specdec.common.memory import check_fits
+from specdec.common.model_specs import (
     TINY_RANDOM_DEFAULTS,
     TINY_RANDOM_PREFIX,
     gguf_path,
@@ -26,10 +26,10 @@ from common.model_specs import (
     parse_spec_params,
     split_variant,
 )
-from common.model_variants import make_variant
-from common.packed_linear import can_pack, pack_linear_layers
-from common.random_models import RANDOM_SHAPE_VOCAB, build_random_shape, build_tiny_random
-from common.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from specdec.common.model_variants import make_variant
+from specdec.common.packed_linear import can_pack, pack_linear_layers
+from specdec.common.random_models import RANDOM_SHAPE_VOCAB, build_random_shape, build_tiny_random
+from specdec.common.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger("specdec")
 
@@ -59,7 +59,7 @@ def eos_ids_of(model_config, generation_config, hf_tokenizer) -> list[int]:
 def hf_tokenizer_of(hf_tokenizer, model_config, generation_config) -> HFTokenizer:
     """The tokenizer with its end-of-sequence ids; where the file lacks them, the chat template and end-of-turn
     tokens its architecture's row gives (common/quantized/architectures.py)."""
-    from common.quantized.architectures import architecture_of
+    from specdec.common.quantized.architectures import architecture_of
 
     eos_ids = eos_ids_of(model_config, generation_config, hf_tokenizer)
     architecture = architecture_of(model_config.get_text_config().model_type)
@@ -106,7 +106,7 @@ def resolve_engine(engine: str, spec: str, device: str, dtype: str) -> str:
         raise InvalidArgument("engine", f"{engine!r}: expected one of {', '.join(ENGINES)}")
     if engine == "torch":
         return engine
-    from common.quantized.kernels import unavailable_reason
+    from specdec.common.quantized.kernels import unavailable_reason
 
     base, variants = spec.split("#")[0], spec.split("#")[1:]
     reasons = [
@@ -180,8 +180,8 @@ def load_unpacked(spec: str, device: str = "cpu", dtype: str = "auto", quantized
 def apply_file_rope_factors(model: torch.nn.Module, path: str) -> None:
     """Llama 3's RoPE scaling, which llama.cpp's files hold as rope_freqs.weight and transformers' GGUF loading
     leaves out (common.quantized.loader.apply_rope_factors)."""
-    from common.quantized.gguf_file import read_tensors
-    from common.quantized.loader import apply_rope_factors
+    from specdec.common.quantized.gguf_file import read_tensors
+    from specdec.common.quantized.loader import apply_rope_factors
 
     factors = read_tensors(path).get("rope_freqs.weight")
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
@@ -192,7 +192,7 @@ def apply_file_rope_factors(model: torch.nn.Module, path: str) -> None:
 
 def check_dequantised_fits(path: str, dtype: torch.dtype) -> None:
     """Refuses a GGUF file whose weights, de-quantised to dtype (the torch engine), exceed the memory left."""
-    from common.quantized.gguf_file import GGUFFormatError, read_tensors
+    from specdec.common.quantized.gguf_file import GGUFFormatError, read_tensors
 
     try:
         elements = sum(math.prod(t.shape) for t in read_tensors(path).values())
@@ -205,7 +205,7 @@ def load_quantized(spec: str) -> LoadedModel:
     """A GGUF model on its own quantized blocks (the gguf engine, common.quantized)."""
     from transformers import AutoConfig
 
-    from common.quantized.loader import build_quantized_model, check_file
+    from specdec.common.quantized.loader import build_quantized_model, check_file
 
     path = gguf_path(spec)
     check_file(path)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
-from common.batched_forward import copy_prefix, held_tokens
-from common.model_runner import ModelRunner
+from specdec.common.batched_forward import copy_prefix, held_tokens
+from specdec.common.model_runner import ModelRunner
 
 
 @dataclass

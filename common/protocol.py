@@ -2,8 +2,8 @@
 
 import torch
 
-from common.rounds import DraftSource
-from common.sampling import SamplingParams, SparseDistribution, TokenLogprob
+from specdec.common.rounds import DraftSource
+from specdec.common.sampling import SamplingParams, SparseDistribution, TokenLogprob
 from specdec.v1 import worker_pb2
 
 DRAFT_SOURCES = {

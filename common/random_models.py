@@ -5,16 +5,16 @@ import math
 
 import torch
 
-from common.errors import InvalidArgument
-from common.loaded_model import LoadedModel
-from common.model_specs import (
+from specdec.common.errors import InvalidArgument
+from specdec.common.loaded_model import LoadedModel
+from specdec.common.model_specs import (
     TINY_RANDOM_CONTEXT,
     TINY_RANDOM_DEFAULTS,
     TINY_RANDOM_PREFIX,
     RANDOM_SHAPE_PREFIX,
     parse_spec_params,
 )
-from common.tokenizer import ByteTokenizer
+from specdec.common.tokenizer import ByteTokenizer
 
 # noise=x perturbs each weight by x * NOISE_SCALE of its tensor's init scale: at vocab 256, noise 0.5 makes a draft
 # whose greedy choice agrees with the target's about half the time (0.1: ~90 %, 1.0: ~15 %).

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from common.sampling import SparseDistribution, TokenLogprob
+from specdec.common.sampling import SparseDistribution, TokenLogprob
 from specdec.v1 import worker_pb2
 
 # q of one drafted token as a round carries it: tensors where it was sampled (or converted for sampling), or the

@@ -13,7 +13,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import DecodeError
 
-from common.errors import InvalidArgument
+from specdec.common.errors import InvalidArgument
 
 HANDLER_FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,

@@ -8,15 +8,15 @@ import time
 
 from google.protobuf.descriptor import ServiceDescriptor
 
-from common import errors
-from common.batcher import Batcher
-from common.config import ServerOptions
-from common.grpc_errors import reports_errors
-from common.grpc_server import create_server, set_serving
-from common.lifecycle import Lifecycle, run_until_signalled
-from common.protocol import info_to_proto
-from common.services import check_parsed
-from common.telemetry import context_from, run_traced
+from specdec.common import errors
+from specdec.common.batcher import Batcher
+from specdec.common.config import ServerOptions
+from specdec.common.grpc_errors import reports_errors
+from specdec.common.grpc_server import create_server, set_serving
+from specdec.common.lifecycle import Lifecycle, run_until_signalled
+from specdec.common.protocol import info_to_proto
+from specdec.common.services import check_parsed
+from specdec.common.telemetry import context_from, run_traced
 from specdec.v1 import worker_pb2
 
 log = logging.getLogger("specdec")

@@ -6,10 +6,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from common.errors import InvalidArgument, ResourceExhausted
+from specdec.common.errors import InvalidArgument, ResourceExhausted
 
 if TYPE_CHECKING:
-    from common.prefix_cache import PrefixCache
+    from specdec.common.prefix_cache import PrefixCache
 
 S = TypeVar("S")
 

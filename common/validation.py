@@ -3,10 +3,10 @@
 import math
 
 
-from common.errors import InvalidArgument
-from common.rounds import DraftQ
-from common.wire_limits import MAX_Q_ENTRIES
-from common.sampling import SamplingParams
+from specdec.common.errors import InvalidArgument
+from specdec.common.rounds import DraftQ
+from specdec.common.wire_limits import MAX_Q_ENTRIES
+from specdec.common.sampling import SamplingParams
 
 MAX_TOKEN_ID = 2**31  # a model-free draft has no vocabulary: any int32 id
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (vLLM and OpenAI take any; each costs a column per sampled row)

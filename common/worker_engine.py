@@ -5,9 +5,9 @@ shape of a batch (check every call, run those that passed, each call's result or
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from common.errors import FailedPrecondition
-from common.sessions import SessionRegistry
-from common.worker_metrics import WorkerMetrics
+from specdec.common.errors import FailedPrecondition
+from specdec.common.sessions import SessionRegistry
+from specdec.common.worker_metrics import WorkerMetrics
 
 S = TypeVar("S")  # a session: anything with a session_id
 

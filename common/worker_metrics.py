@@ -2,8 +2,8 @@
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from common.sessions import SessionRegistry
-from common.telemetry import meter
+from specdec.common.sessions import SessionRegistry
+from specdec.common.telemetry import meter
 
 SECONDS_BUCKETS = [0.00001, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
 

@@ -2,9 +2,9 @@
 APIs, so that --max-concurrent-requests and draining on SIGTERM hold for both together."""
 
 import contextlib
-from common.auth import token_matches
-from common.errors import ResourceExhausted, Unauthenticated
-from common.lifecycle import Lifecycle
+from specdec.common.auth import token_matches
+from specdec.common.errors import ResourceExhausted, Unauthenticated
+from specdec.common.lifecycle import Lifecycle
 
 
 class Admission:

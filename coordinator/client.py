@@ -1,6 +1,6 @@
 """A small client of GenerationService for other Python services.
 
-from coordinator.client import GenerationClient
+from specdec.coordinator.client import GenerationClient
 with GenerationClient("localhost:50051") as client:  # or ["host-a:50051", "host-b:50051"], or "dns:///name:50051"
     print(client.generate("Hello", max_new_tokens=32, temperature=0).text)
     for delta in client.stream("Hello"):
@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from common.grpc_options import GRPC_OPTIONS
-from coordinator.addresses import parse_addresses
-from coordinator.finish_reasons import FINISH_REASON_NAMES
+from specdec.common.grpc_options import GRPC_OPTIONS
+from specdec.coordinator.addresses import parse_addresses
+from specdec.coordinator.finish_reasons import FINISH_REASON_NAMES
 from specdec.v1 import generation_pb2, generation_pb2_grpc
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_PORTS, DEFAULT_TARGET_MODEL, WorkerConfig
-from draft_worker.specs import is_model_free
+from specdec.common.config import DEFAULT_DRAFT_MODEL, DEFAULT_PORTS, DEFAULT_TARGET_MODEL, WorkerConfig
+from specdec.draft_worker.specs import is_model_free
 
 # The best draft the project has for each target (README, "Choosing a draft"): prompt lookup for SmolLM2 and for
 # the Qwen pair too. On the gguf engine the 0.5B sibling costs 0.5x (AVX2) to 0.6-0.9x (AVX-512 on a Zen 4) a 1.5B
@@ -33,7 +33,7 @@ MODEL_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b#int8"}
 # Spins of an idle OpenMP thread before it sleeps, in workers that share the cores with another model worker.
 SHARED_CORES_SPIN_COUNT = 10_000
 # How a service is started: the `specdec` command line (cli/), run by this interpreter.
-SERVE_COMMAND = [sys.executable, "-m", "cli", "serve"]
+SERVE_COMMAND = [sys.executable, "-m", "specdec.cli", "serve"]
 
 
 def local_env(draft_model: str) -> dict[str, str]:
@@ -72,6 +72,16 @@ def is_serving(address: str) -> bool:
             response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
             return response.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
+        return False
+
+
+def is_listening(port: int) -> bool:
+    """Whether a local port accepts connections (the OpenAI HTTP API starts after the coordinator's gRPC health
+    reports SERVING)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
         return False
 
 
@@ -177,7 +187,9 @@ class Cluster:
         if drafts:
             self.draft_address = self.addresses[self.names("draft", self.drafts)[0]]
         deadline = time.monotonic() + timeout
-        while not all(is_serving(address) for address in self.coordinator_addresses):
+        while not all(is_serving(address) for address in self.coordinator_addresses) or not (
+            not self.http_port or is_listening(self.http_port)
+        ):
             if any(p.poll() is not None for p in self.processes):
                 self.stop()
                 raise RuntimeError(

@@ -3,10 +3,10 @@
 
 from dataclasses import dataclass
 
-from common.config import TLS_GROUP, ConfigError, DraftWorkerConfig, check_token_given, setting
-from common.tls import TlsFiles
-from common.wire_limits import MAX_P_ENTRIES, MAX_STEP_TOKENS
-from draft_worker.specs import is_model_free
+from specdec.common.config import TLS_GROUP, ConfigError, DraftWorkerConfig, check_token_given, setting
+from specdec.common.tls import TlsFiles
+from specdec.common.wire_limits import MAX_P_ENTRIES, MAX_STEP_TOKENS
+from specdec.draft_worker.specs import is_model_free
 
 
 @dataclass

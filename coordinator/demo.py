@@ -3,8 +3,8 @@ local cluster answering code questions, each answer streamed and then timed agai
 
 import time
 
-from coordinator.client import GenerationClient
-from coordinator.cluster import MODEL_FREE_DRAFT_IN_COORDINATOR, Cluster, default_draft_for
+from specdec.coordinator.client import GenerationClient
+from specdec.coordinator.cluster import MODEL_FREE_DRAFT_IN_COORDINATOR, Cluster, default_draft_for
 
 DEMO_TARGET = "qwen2.5-coder-1.5b"
 DEMO_PROMPTS = [

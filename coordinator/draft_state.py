@@ -18,7 +18,7 @@ to reopen a session while tries are left. The request speculates in every phase 
 import asyncio
 import enum
 
-from coordinator.workers import DraftSession
+from specdec.coordinator.workers import DraftSession
 
 
 class DraftPhase(enum.Enum):

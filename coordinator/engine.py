@@ -13,18 +13,18 @@ import time
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from common.errors import InvalidArgument
-from common.telemetry import tracer
-from common.tokenizer import Tokenizer
-from common.validation import check_prompt, check_token_ids
-from coordinator.config import CoordinatorConfig
-from coordinator.gamma_policy import MeasuredSpeed
-from coordinator.gamma_policy_factory import PolicyFactory, gamma_policy_for
-from coordinator.metrics import CoordinatorMetrics
-from coordinator.request_run import RequestRun
-from coordinator.request_tracing import request_attributes
-from coordinator.types import GenerationParams, GenerationResult
-from coordinator.workers import IncompatibleWorkers, WorkerInfo, Workers
+from specdec.common.errors import InvalidArgument
+from specdec.common.telemetry import tracer
+from specdec.common.tokenizer import Tokenizer
+from specdec.common.validation import check_prompt, check_token_ids
+from specdec.coordinator.config import CoordinatorConfig
+from specdec.coordinator.gamma_policy import MeasuredSpeed
+from specdec.coordinator.gamma_policy_factory import PolicyFactory, gamma_policy_for
+from specdec.coordinator.metrics import CoordinatorMetrics
+from specdec.coordinator.request_run import RequestRun
+from specdec.coordinator.request_tracing import request_attributes
+from specdec.coordinator.types import GenerationParams, GenerationResult
+from specdec.coordinator.workers import IncompatibleWorkers, WorkerInfo, Workers
 
 log = logging.getLogger("specdec.coordinator")
 

@@ -31,10 +31,10 @@ workload's suffix proposals, offline, the first token was accepted 0.53-0.56 of 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from common.acceptance import ConfidenceCalibration, DecayedRate, expected_tokens
-from common.cost_curve import cheapest_rows, cost_at
-from common.rounds import Proposal
-from coordinator.round import RoundResult
+from specdec.common.acceptance import ConfidenceCalibration, DecayedRate, expected_tokens
+from specdec.common.cost_curve import cheapest_rows, cost_at
+from specdec.common.rounds import Proposal
+from specdec.coordinator.round import RoundResult
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 1.0  # the prior counts as this many drafted tokens

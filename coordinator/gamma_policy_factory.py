@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from coordinator.gamma_policy import CostModelPolicy, FixedPolicy, GammaPolicy, HeuristicPolicy
-from coordinator.types import GenerationParams
-from coordinator.workers import WorkerInfo
+from specdec.coordinator.gamma_policy import CostModelPolicy, FixedPolicy, GammaPolicy, HeuristicPolicy
+from specdec.coordinator.types import GenerationParams
+from specdec.coordinator.workers import WorkerInfo
 
 if TYPE_CHECKING:
-    from coordinator.engine import GenerationEngine
+    from specdec.coordinator.engine import GenerationEngine
 
 DEFAULT_HEURISTIC_START = 4  # Hugging Face starts its heuristic schedule at num_assistant_tokens
 SEEDED_AUTO_GAMMA = 4  # auto for seeded sampling, which must not depend on timings

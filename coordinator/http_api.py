@@ -11,15 +11,15 @@ speculation_by_position for acceptance per draft position, and grammar (Lark or 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 
-from common.grpc_options import MAX_MESSAGE_BYTES
-from coordinator.admission import Admission
-from coordinator.config import HttpSettings
-from coordinator.engine import GenerationEngine
-from coordinator.http_auth import AuthenticateFirst
-from coordinator.http_completions import CompletionHandler
-from coordinator.http_errors import invalid_body
-from coordinator.http_schema import ChatCompletionRequest, CompletionRequest
-from coordinator.http_server import HttpServer, start_http
+from specdec.common.grpc_options import MAX_MESSAGE_BYTES
+from specdec.coordinator.admission import Admission
+from specdec.coordinator.config import HttpSettings
+from specdec.coordinator.engine import GenerationEngine
+from specdec.coordinator.http_auth import AuthenticateFirst
+from specdec.coordinator.http_completions import CompletionHandler
+from specdec.coordinator.http_errors import invalid_body
+from specdec.coordinator.http_schema import ChatCompletionRequest, CompletionRequest
+from specdec.coordinator.http_server import HttpServer, start_http
 
 # The app is built here and served by coordinator.http_server; the rest of the API, by job: http_schema (the
 # request bodies), http_translate (to the engine's request), http_completions (the endpoints' work), http_responses

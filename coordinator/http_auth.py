@@ -1,9 +1,9 @@
 """The HTTP API's authentication: the bearer token, checked before a request's body is read."""
 
-from common.errors import Unauthenticated
-from coordinator.admission import Admission
+from specdec.common.errors import Unauthenticated
+from specdec.coordinator.admission import Admission
 
-from coordinator.http_errors import error_response
+from specdec.coordinator.http_errors import error_response
 
 
 class AuthenticateFirst:

@@ -12,17 +12,17 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from coordinator.admission import Admission
-from coordinator.config import HttpSettings
-from coordinator.engine import GenerationEngine
-from coordinator.requests import params_of
-from coordinator.types import GenerationParams, GenerationResult
+from specdec.coordinator.admission import Admission
+from specdec.coordinator.config import HttpSettings
+from specdec.coordinator.engine import GenerationEngine
+from specdec.coordinator.requests import params_of
+from specdec.coordinator.types import GenerationParams, GenerationResult
 
-from coordinator.http_errors import ClientClosed, ModelNotFound, error_response
-from coordinator.http_responses import Completion
-from coordinator.http_schema import ChatCompletionRequest, CompletionRequest
-from coordinator.http_streaming import EventStream, before_deadline, merged, release, stream_events
-from coordinator.http_translate import Tools, choice_params, choices_of, echo_text, generate_request_of, render_tool_chat
+from specdec.coordinator.http_errors import ClientClosed, ModelNotFound, error_response
+from specdec.coordinator.http_responses import Completion
+from specdec.coordinator.http_schema import ChatCompletionRequest, CompletionRequest
+from specdec.coordinator.http_streaming import EventStream, before_deadline, merged, release, stream_events
+from specdec.coordinator.http_translate import Tools, choice_params, choices_of, echo_text, generate_request_of, render_tool_chat
 
 log = logging.getLogger("specdec.coordinator")
 DISCONNECT_POLL_SECONDS = 0.25  # how often a whole (non-streamed) request checks that its client is still there

@@ -6,9 +6,9 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from common.errors import ERROR_STATUS, ErrorStatus, InvalidArgument, SpecdecError, classified
-from coordinator.http_schema import RequestFields
-from coordinator.http_translate import param_of
+from specdec.common.errors import ERROR_STATUS, ErrorStatus, InvalidArgument, SpecdecError, classified
+from specdec.coordinator.http_schema import RequestFields
+from specdec.coordinator.http_translate import param_of
 
 
 class HttpError(SpecdecError):

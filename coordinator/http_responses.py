@@ -6,14 +6,14 @@ import uuid
 from collections import Counter
 
 
-from coordinator.output import Delta
-from coordinator.finish_reasons import FINISH_REASON_NAMES
-from coordinator.tool_calls import CallArguments, CallStart, CallStream, parse_calls
-from coordinator.types import GenerationParams, GenerationResult
-from common.sampling import TokenLogprob
-from common.tokenizer import Tokenizer
+from specdec.coordinator.output import Delta
+from specdec.coordinator.finish_reasons import FINISH_REASON_NAMES
+from specdec.coordinator.tool_calls import CallArguments, CallStart, CallStream, parse_calls
+from specdec.coordinator.types import GenerationParams, GenerationResult
+from specdec.common.sampling import TokenLogprob
+from specdec.common.tokenizer import Tokenizer
 
-from coordinator.http_translate import Tools
+from specdec.coordinator.http_translate import Tools
 
 
 def speculation_of(results: list[GenerationResult], by_position: bool) -> dict:

@@ -12,9 +12,9 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from common.lifecycle import FINAL_STOP_SECONDS
-from common.tls import TlsFiles
-from coordinator.config import HttpSettings
+from specdec.common.lifecycle import FINAL_STOP_SECONDS
+from specdec.common.tls import TlsFiles
+from specdec.coordinator.config import HttpSettings
 
 
 log = logging.getLogger("specdec.coordinator")

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator, Callable
 import anyio
 from fastapi.responses import StreamingResponse
 
-from common.errors import DeadlineExceeded
-from coordinator.output import Delta
-from coordinator.finish_reasons import FINISH_REASON_NAMES
-from coordinator.tool_calls import CallStream
-from coordinator.types import GenerationResult
+from specdec.common.errors import DeadlineExceeded
+from specdec.coordinator.output import Delta
+from specdec.coordinator.finish_reasons import FINISH_REASON_NAMES
+from specdec.coordinator.tool_calls import CallStream
+from specdec.coordinator.types import GenerationResult
 
-from coordinator.http_errors import error_event
-from coordinator.http_responses import Completion
+from specdec.coordinator.http_errors import error_event
+from specdec.coordinator.http_responses import Completion
 
 log = logging.getLogger("specdec.coordinator")
 

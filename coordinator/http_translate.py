@@ -6,15 +6,15 @@ from dataclasses import replace
 
 from llguidance.gbnf_to_lark import any_to_lark
 
-from common.errors import InvalidArgument
-from coordinator.requests import MAX_MESSAGES
-from coordinator.tool_calls import calls_grammar, check_tools, render_chat
-from coordinator.types import GenerationParams
-from common.sampling import stream_seed
-from common.tokenizer import Tokenizer
+from specdec.common.errors import InvalidArgument
+from specdec.coordinator.requests import MAX_MESSAGES
+from specdec.coordinator.tool_calls import calls_grammar, check_tools, render_chat
+from specdec.coordinator.types import GenerationParams
+from specdec.common.sampling import stream_seed
+from specdec.common.tokenizer import Tokenizer
 
 from specdec.v1 import generation_pb2
-from coordinator.http_schema import (
+from specdec.coordinator.http_schema import (
     MAX_CHAT_TOP_LOGPROBS,
     MAX_CHOICES,
     MAX_COMPLETION_LOGPROBS,

@@ -2,12 +2,12 @@
 
 from opentelemetry.context import Context
 
-from common.rounds import Proposal, Verdict
-from common.sampling import SamplingParams, SparseDistribution
-from common.telemetry import call_in_context
-from coordinator.workers import DraftSession, TargetSession, WorkerInfo
-from draft_worker.engine import DraftEngine, DraftSessionHandle
-from target_worker.engine import TargetEngine
+from specdec.common.rounds import Proposal, Verdict
+from specdec.common.sampling import SamplingParams, SparseDistribution
+from specdec.common.telemetry import call_in_context
+from specdec.coordinator.workers import DraftSession, TargetSession, WorkerInfo
+from specdec.draft_worker.engine import DraftEngine, DraftSessionHandle
+from specdec.target_worker.engine import TargetEngine
 
 
 class InProcessTargetSession:

@@ -14,11 +14,11 @@ import functools
 
 from opentelemetry.context import Context
 
-from common.sampling import SamplingParams
-from coordinator.in_process import InProcessDraftSession
-from coordinator.worker_clients import GrpcWorkers
-from coordinator.workers import TargetSession, WorkerInfo
-from draft_worker.engine import DraftEngine
+from specdec.common.sampling import SamplingParams
+from specdec.coordinator.in_process import InProcessDraftSession
+from specdec.coordinator.worker_clients import GrpcWorkers
+from specdec.coordinator.workers import TargetSession, WorkerInfo
+from specdec.draft_worker.engine import DraftEngine
 
 # A prompt longer than this is indexed on a thread: a suffix tree costs about 0.15 ms a token (depth 24), which
 # would hold up every other request on the event loop.

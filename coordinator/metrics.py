@@ -5,8 +5,8 @@ from collections.abc import Callable
 
 from opentelemetry.metrics import Observation
 
-from common.telemetry import meter
-from coordinator.pool import Health
+from specdec.common.telemetry import meter
+from specdec.coordinator.pool import Health
 
 # Bucket boundaries in seconds for latencies, as the GenAI semantic conventions advise.
 DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]

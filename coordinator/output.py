@@ -7,7 +7,7 @@ so that nothing streamed ever has to be taken back.
 
 from dataclasses import dataclass, field
 
-from common.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from specdec.common.tokenizer import REPLACEMENT_CHAR, Tokenizer
 from specdec.v1 import generation_pb2
 
 

@@ -23,11 +23,11 @@ from enum import Enum
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.errors import Unavailable
-from coordinator.addresses import dns_name, join_host_port
-from common.tls import TlsFiles
-from coordinator.config import PoolSettings
-from coordinator.workers import WorkerInfo
+from specdec.common.errors import Unavailable
+from specdec.coordinator.addresses import dns_name, join_host_port
+from specdec.common.tls import TlsFiles
+from specdec.coordinator.config import PoolSettings
+from specdec.coordinator.workers import WorkerInfo
 from specdec.v1 import worker_pb2
 
 log = logging.getLogger("specdec.coordinator")

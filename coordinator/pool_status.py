@@ -1,6 +1,6 @@
 """GetStatus's answer: the coordinator's worker pools, each member's health and sessions, as protobuf messages."""
 
-from coordinator.pool import Health, Member, WorkerPool
+from specdec.coordinator.pool import Health, Member, WorkerPool
 from specdec.v1 import generation_pb2, worker_pb2
 
 MEMBER_HEALTH = {

@@ -13,17 +13,25 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from common.telemetry import tracer
-from common.timing import elapsed_us
-from coordinator.output import Delta, OutputTracker
-from coordinator.request_tracing import child_span, finished_attributes, phases_under, span_context
-from coordinator.request_workers import RequestWorkers
-from coordinator.round import DraftSync, RoundResult, handling, raise_if_cancelled, round_stats, speculation_round, truncated
-from coordinator.types import GenerationParams, GenerationResult, RoundStats, TimeSplit
+from specdec.common.telemetry import tracer
+from specdec.common.timing import elapsed_us
+from specdec.coordinator.output import Delta, OutputTracker
+from specdec.coordinator.request_tracing import child_span, finished_attributes, phases_under, span_context
+from specdec.coordinator.request_workers import RequestWorkers
+from specdec.coordinator.round import (
+    DraftSync,
+    RoundResult,
+    handling,
+    raise_if_cancelled,
+    round_stats,
+    speculation_round,
+    truncated,
+)
+from specdec.coordinator.types import GenerationParams, GenerationResult, RoundStats, TimeSplit
 from specdec.v1 import generation_pb2
 
 if TYPE_CHECKING:
-    from coordinator.engine import GenerationEngine
+    from specdec.coordinator.engine import GenerationEngine
 
 
 class RequestRun:

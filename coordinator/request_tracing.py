@@ -8,11 +8,11 @@ import contextlib
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from common.telemetry import tracer
-from coordinator.finish_reasons import FINISH_REASON_NAMES
-from coordinator.round import Phase
-from coordinator.types import GenerationParams, GenerationResult
-from coordinator.workers import WorkerInfo
+from specdec.common.telemetry import tracer
+from specdec.coordinator.finish_reasons import FINISH_REASON_NAMES
+from specdec.coordinator.round import Phase
+from specdec.coordinator.types import GenerationParams, GenerationResult
+from specdec.coordinator.workers import WorkerInfo
 
 PROVIDER = "specdec"
 

@@ -12,20 +12,20 @@ from typing import TYPE_CHECKING
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from common.errors import Unavailable
-from common.rounds import Proposal
-from common.sampling import SamplingParams, stream_seed
-from coordinator.output import OutputTracker
-from coordinator.gamma_policy_factory import defers_draft
-from coordinator.request_tracing import span_context
-from coordinator.round import RoundWorkers
-from coordinator.types import GenerationParams
-from coordinator.config import CoordinatorConfig
-from coordinator.draft_state import DraftPhase, DraftState
-from coordinator.workers import TargetSession, WorkerInfo
+from specdec.common.errors import Unavailable
+from specdec.common.rounds import Proposal
+from specdec.common.sampling import SamplingParams, stream_seed
+from specdec.coordinator.output import OutputTracker
+from specdec.coordinator.gamma_policy_factory import defers_draft
+from specdec.coordinator.request_tracing import span_context
+from specdec.coordinator.round import RoundWorkers
+from specdec.coordinator.types import GenerationParams
+from specdec.coordinator.config import CoordinatorConfig
+from specdec.coordinator.draft_state import DraftPhase, DraftState
+from specdec.coordinator.workers import TargetSession, WorkerInfo
 
 if TYPE_CHECKING:
-    from coordinator.engine import GenerationEngine
+    from specdec.coordinator.engine import GenerationEngine
 
 log = logging.getLogger("specdec.coordinator")
 DEADLINE_MARGIN = 0.25  # seconds

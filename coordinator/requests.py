@@ -4,16 +4,16 @@ import asyncio
 
 from dataclasses import replace
 
-from common.errors import InvalidArgument
-from common.grammar import check_grammar, grammar_of_constraint
-from common.protocol import DRAFT_SOURCES, logit_bias_of, logprob_to_proto
-from common.wire_limits import MAX_TOP_LOGPROBS
-from common.sampling import SamplingParams
-from common.tokenizer import CHAT_ROLES, Tokenizer
-from common.validation import check_sampling
-from coordinator.config import CoordinatorConfig
-from coordinator.types import GenerationParams, GenerationResult, RoundStats, TimeSplit
-from coordinator.output import Delta
+from specdec.common.errors import InvalidArgument
+from specdec.common.grammar import check_grammar, grammar_of_constraint
+from specdec.common.protocol import DRAFT_SOURCES, logit_bias_of, logprob_to_proto
+from specdec.common.wire_limits import MAX_TOP_LOGPROBS
+from specdec.common.sampling import SamplingParams
+from specdec.common.tokenizer import CHAT_ROLES, Tokenizer
+from specdec.common.validation import check_sampling
+from specdec.coordinator.config import CoordinatorConfig
+from specdec.coordinator.types import GenerationParams, GenerationResult, RoundStats, TimeSplit
+from specdec.coordinator.output import Delta
 from specdec.v1 import generation_pb2
 
 # A request's stop strings are matched against every round's text on the event loop that serves all requests:

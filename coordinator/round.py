@@ -14,9 +14,9 @@ from typing import Protocol
 
 from opentelemetry.context import Context
 
-from common.rounds import DraftSource, Proposal, Verdict
-from common.timing import elapsed_us
-from coordinator.types import RoundStats, TimeSplit
+from specdec.common.rounds import DraftSource, Proposal, Verdict
+from specdec.common.timing import elapsed_us
+from specdec.coordinator.types import RoundStats, TimeSplit
 
 
 class RoundWorkers(Protocol):

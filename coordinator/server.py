@@ -11,31 +11,31 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health
 
-from common.models import load_tokenizer
-from common.config import ServerOptions
-from common.grpc_errors import reports_errors, retries_spent
-from common.grpc_server import start_serving
-from common.lifecycle import FINAL_STOP_SECONDS, run_until_signalled
-from common.services import check_parsed
-from common.telemetry import context_from
-from common.config import ConfigError
-from common.errors import InvalidArgument
-from draft_worker.engine import DraftEngine
-from draft_worker.server import model_free_proposer
-from draft_worker.specs import is_model_free
-from coordinator.admission import Admission
-from coordinator.config import CoordinatorConfig, CoordinatorServerConfig, HttpSettings, PoolSettings
-from coordinator.engine import GenerationEngine, check_pair
-from coordinator.gamma_policy_factory import PolicyFactory, gamma_policy_for
-from coordinator.pool_status import status_of
-from coordinator.requests import params_of, response_of, stream_message_of
-from coordinator.local_draft import LocalDraftWorkers
-from coordinator.worker_clients import GrpcWorkers
-from coordinator.workers import WorkerInfo, Workers
+from specdec.common.models import load_tokenizer
+from specdec.common.config import ServerOptions
+from specdec.common.grpc_errors import reports_errors, retries_spent
+from specdec.common.grpc_server import start_serving
+from specdec.common.lifecycle import FINAL_STOP_SECONDS, run_until_signalled
+from specdec.common.services import check_parsed
+from specdec.common.telemetry import context_from
+from specdec.common.config import ConfigError
+from specdec.common.errors import InvalidArgument
+from specdec.draft_worker.engine import DraftEngine
+from specdec.draft_worker.server import model_free_proposer
+from specdec.draft_worker.specs import is_model_free
+from specdec.coordinator.admission import Admission
+from specdec.coordinator.config import CoordinatorConfig, CoordinatorServerConfig, HttpSettings, PoolSettings
+from specdec.coordinator.engine import GenerationEngine, check_pair
+from specdec.coordinator.gamma_policy_factory import PolicyFactory, gamma_policy_for
+from specdec.coordinator.pool_status import status_of
+from specdec.coordinator.requests import params_of, response_of, stream_message_of
+from specdec.coordinator.local_draft import LocalDraftWorkers
+from specdec.coordinator.worker_clients import GrpcWorkers
+from specdec.coordinator.workers import WorkerInfo, Workers
 from specdec.v1 import generation_pb2
 
 if TYPE_CHECKING:
-    from coordinator.http_api import HttpServer
+    from specdec.coordinator.http_api import HttpServer
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 # A client's connection is closed after a few minutes (its calls in progress finish first), so that a client that
@@ -166,7 +166,7 @@ async def launch(
     engine.listening_on(advertised_host(options.host), bound)
     coordinator = Coordinator(server, health_servicer, bound, admission)
     if http_port is not None:
-        from coordinator.http_api import build_app, start_http  # FastAPI and uvicorn only where the API is served
+        from specdec.coordinator.http_api import build_app, start_http  # FastAPI and uvicorn only where the API is served
 
         try:
             http = http or HttpSettings()

@@ -12,8 +12,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from common.errors import InvalidArgument
-from common.grammar import closed_objects
+from specdec.common.errors import InvalidArgument
+from specdec.common.grammar import closed_objects
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CALL_PATTERN = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

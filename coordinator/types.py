@@ -7,8 +7,8 @@ metrics, and the response's round list and totals.
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
-from common.rounds import DraftSource
-from common.sampling import SamplingParams, TokenLogprob
+from specdec.common.rounds import DraftSource
+from specdec.common.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass

@@ -9,24 +9,24 @@ import grpc
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
-from common.auth import token_interceptors
-from common.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerFailed
-from common.protocol import (
+from specdec.common.auth import token_interceptors
+from specdec.common.errors import InvalidArgument, ResourceExhausted, Unavailable, WorkerFailed
+from specdec.common.protocol import (
     DRAFT_SOURCE_OF,
     distribution_from_proto,
     distribution_to_proto,
     logprob_from_proto,
     sampling_to_proto,
 )
-from common.rounds import DraftQ, DraftSource, Proposal, Verdict
-from common.sampling import SamplingParams, SparseDistribution
-from common.grpc_options import CHANNEL_OPTIONS
-from common.tls import TlsFiles, channel_credentials
-from common.timing import elapsed_us
-from coordinator.addresses import parse_addresses
-from coordinator.config import PoolSettings
-from coordinator.pool import Health, Member, WorkerPool, identity
-from coordinator.workers import IncompatibleWorkers, WorkerInfo
+from specdec.common.rounds import DraftQ, DraftSource, Proposal, Verdict
+from specdec.common.sampling import SamplingParams, SparseDistribution
+from specdec.common.grpc_options import CHANNEL_OPTIONS
+from specdec.common.tls import TlsFiles, channel_credentials
+from specdec.common.timing import elapsed_us
+from specdec.coordinator.addresses import parse_addresses
+from specdec.coordinator.config import PoolSettings
+from specdec.coordinator.pool import Health, Member, WorkerPool, identity
+from specdec.coordinator.workers import IncompatibleWorkers, WorkerInfo
 from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc, worker_pb2
 
 INFO_FIELDS = [f.name for f in worker_pb2.GetInfoResponse.DESCRIPTOR.fields if f.name != "role"]

@@ -13,8 +13,8 @@ from typing import Protocol
 
 from opentelemetry.context import Context
 
-from common.rounds import Proposal, Verdict
-from common.sampling import SamplingParams, SparseDistribution
+from specdec.common.rounds import Proposal, Verdict
+from specdec.common.sampling import SamplingParams, SparseDistribution
 
 
 class IncompatibleWorkers(Exception):

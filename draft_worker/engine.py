@@ -9,20 +9,20 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
-from common.batcher import run_alone
-from common.config import DraftWorkerConfig
-from common.errors import InvalidArgument
-from common.memory import kv_token_budget
-from common.protocol import worker_info
-from common.rounds import Proposal
-from common.sampling import SamplingParams
-from common.sessions import SessionRegistry, session_reservation
-from common.telemetry import tracer
-from common.timing import elapsed_us
-from common.validation import MAX_TOKEN_ID, check_count, check_sampling, check_sampling_tokens
-from common.wire_limits import MAX_Q_ENTRIES, MAX_STEP_TOKENS
-from common.worker_engine import WorkerEngine
-from draft_worker.proposer import DraftState, Proposer
+from specdec.common.batcher import run_alone
+from specdec.common.config import DraftWorkerConfig
+from specdec.common.errors import InvalidArgument
+from specdec.common.memory import kv_token_budget
+from specdec.common.protocol import worker_info
+from specdec.common.rounds import Proposal
+from specdec.common.sampling import SamplingParams
+from specdec.common.sessions import SessionRegistry, session_reservation
+from specdec.common.telemetry import tracer
+from specdec.common.timing import elapsed_us
+from specdec.common.validation import MAX_TOKEN_ID, check_count, check_sampling, check_sampling_tokens
+from specdec.common.wire_limits import MAX_Q_ENTRIES, MAX_STEP_TOKENS
+from specdec.common.worker_engine import WorkerEngine
+from specdec.draft_worker.proposer import DraftState, Proposer
 
 
 @dataclass

@@ -11,12 +11,12 @@ target committed. The q of each token is the one of the source that proposed it,
 from collections import Counter
 from dataclasses import dataclass, field
 
-from common.acceptance import DecayedRate, expected_tokens
-from common.rounds import DraftSource, Proposal
-from common.sampling import SamplingParams
-from draft_worker.model_proposer import ModelDraftSession, ModelProposer
-from draft_worker.proposer import Proposer, deterministic_proposal
-from draft_worker.suffix import SuffixDraftSession, SuffixProposer
+from specdec.common.acceptance import DecayedRate, expected_tokens
+from specdec.common.rounds import DraftSource, Proposal
+from specdec.common.sampling import SamplingParams
+from specdec.draft_worker.model_proposer import ModelDraftSession, ModelProposer
+from specdec.draft_worker.proposer import Proposer, deterministic_proposal
+from specdec.draft_worker.suffix import SuffixDraftSession, SuffixProposer
 
 RATE_DECAY = 0.8  # per round the source proposed: the estimates follow the text
 MODEL_PRIOR = 0.6  # a draft model's acceptance before any verdict (the pair's measured greedy rate is 0.6-0.8)

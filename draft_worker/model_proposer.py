@@ -3,16 +3,16 @@ every session of a batch run as one pass."""
 
 import torch
 
-from common.batched_forward import as_sampling_input
-from common.cached_sequence import CachedSequence, forward_batch
-from common.config import DraftWorkerConfig
-from common.grammar import GrammarMatcher, mask_logits, vocabulary_of
-from common.model_runner import ModelRunner
-from common.loaded_model import LoadedModel
-from common.prefix_cache import prefix_cache_for
-from common.protocol import model_info
-from common.rounds import DraftSource, Proposal
-from common.sampling import (
+from specdec.common.batched_forward import as_sampling_input
+from specdec.common.cached_sequence import CachedSequence, forward_batch
+from specdec.common.config import DraftWorkerConfig
+from specdec.common.grammar import GrammarMatcher, mask_logits, vocabulary_of
+from specdec.common.model_runner import ModelRunner
+from specdec.common.loaded_model import LoadedModel
+from specdec.common.prefix_cache import prefix_cache_for
+from specdec.common.protocol import model_info
+from specdec.common.rounds import DraftSource, Proposal
+from specdec.common.sampling import (
     SamplingParams,
     adjusted_logits,
     logits_to_probs,
@@ -20,8 +20,8 @@ from common.sampling import (
     sample_sparse,
     truncate_probs,
 )
-from common.validation import check_prompt, check_token_ids
-from draft_worker.proposer import Proposer
+from specdec.common.validation import check_prompt, check_token_ids
+from specdec.draft_worker.proposer import Proposer
 
 
 class ModelDraftSession:

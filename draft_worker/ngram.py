@@ -1,10 +1,10 @@
 """Prompt lookup: propose what followed the most recent earlier occurrence of the sequence's last n tokens."""
 
-from common.model_specs import parse_spec_params
-from common.rounds import DraftSource, Proposal
-from common.sampling import SamplingParams
-from draft_worker.proposer import Proposer, deterministic_proposal
-from draft_worker.specs import NGRAM_PREFIX
+from specdec.common.model_specs import parse_spec_params
+from specdec.common.rounds import DraftSource, Proposal
+from specdec.common.sampling import SamplingParams
+from specdec.draft_worker.proposer import Proposer, deterministic_proposal
+from specdec.draft_worker.specs import NGRAM_PREFIX
 
 NGRAM_DEFAULTS = {"max": 3, "min": 1}
 

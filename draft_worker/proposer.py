@@ -20,10 +20,10 @@ from typing import Protocol
 
 import torch
 
-from common.errors import InvalidArgument
-from common.prefix_cache import PrefixCache
-from common.rounds import DraftSource, Proposal
-from common.sampling import SamplingParams, SparseDistribution
+from specdec.common.errors import InvalidArgument
+from specdec.common.prefix_cache import PrefixCache
+from specdec.common.rounds import DraftSource, Proposal
+from specdec.common.sampling import SamplingParams, SparseDistribution
 
 # A model-free proposer has no model context; its state holds a few entries per token, so a session's length is
 # bounded here (above every target's context the project serves) rather than by the 16 MiB message size.

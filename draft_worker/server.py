@@ -4,18 +4,18 @@ import asyncio
 
 import grpc
 
-from common.config import DraftWorkerConfig, ServerOptions
-from common.models import load_model
-from common.protocol import DRAFT_SOURCES, distribution_to_proto, sampling_from_proto, timing_to_proto
-from common.grpc_server import start_serving
-from common.session_stream import SessionStreamServicer, serve_worker
-from draft_worker.engine import DraftCall, DraftEngine
-from draft_worker.hybrid import HybridProposer
-from draft_worker.model_proposer import ModelProposer
-from draft_worker.ngram import PromptLookupProposer
-from draft_worker.proposer import Proposer
-from draft_worker.specs import is_ngram, is_model_free, split_hybrid
-from draft_worker.suffix import SuffixProposer
+from specdec.common.config import DraftWorkerConfig, ServerOptions
+from specdec.common.models import load_model
+from specdec.common.protocol import DRAFT_SOURCES, distribution_to_proto, sampling_from_proto, timing_to_proto
+from specdec.common.grpc_server import start_serving
+from specdec.common.session_stream import SessionStreamServicer, serve_worker
+from specdec.draft_worker.engine import DraftCall, DraftEngine
+from specdec.draft_worker.hybrid import HybridProposer
+from specdec.draft_worker.model_proposer import ModelProposer
+from specdec.draft_worker.ngram import PromptLookupProposer
+from specdec.draft_worker.proposer import Proposer
+from specdec.draft_worker.specs import is_ngram, is_model_free, split_hybrid
+from specdec.draft_worker.suffix import SuffixProposer
 from specdec.v1 import draft_pb2, worker_pb2
 
 SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]

@@ -13,13 +13,13 @@ tokens are proposed, so how fast it runs), never its output distribution. `suffi
 
 import threading
 
-from common.errors import InvalidArgument
-from common.model_specs import parse_spec_params
-from common.rounds import DraftSource, Proposal
-from common.sampling import SamplingParams
-from draft_worker.proposer import Proposer, deterministic_proposal
-from draft_worker.specs import SUFFIX_PREFIX
-from draft_worker.suffix_tree import GlobalSuffixTree, Speculation, SuffixTree
+from specdec.common.errors import InvalidArgument
+from specdec.common.model_specs import parse_spec_params
+from specdec.common.rounds import DraftSource, Proposal
+from specdec.common.sampling import SamplingParams
+from specdec.draft_worker.proposer import Proposer, deterministic_proposal
+from specdec.draft_worker.specs import SUFFIX_PREFIX
+from specdec.draft_worker.suffix_tree import GlobalSuffixTree, Speculation, SuffixTree
 
 SUFFIX_DEFAULTS = {
     "depth": 24,  # longest substring the trees count (vLLM's suffix_decoding_max_tree_depth)
@@ -46,7 +46,7 @@ class SuffixDraftSession:
         return len(self.tokens)
 
 
-# What a node of a suffix tree costs, at most (tests/test_suffix.py measures 140-165 bytes).
+# What a node of a suffix tree costs, at most (tests/service/test_suffix.py measures 140-165 bytes).
 NODE_BYTES = 170
 
 

@@ -17,7 +17,7 @@ token; what the target accepted of such tokens grows with m (the suffix trees' p
 editing workload, offline: 0.35 of those at m < 3, 0.78-0.89 at 3-8, 0.96-0.99 at 12 and beyond).
 
 The nodes live in flat arrays and one dict keyed by (node, token) rather than in an object and a dict of children
-per node: a node costs 140-165 bytes (measured by tests/test_suffix.py), most of it the dict's entry.
+per node: a node costs 140-165 bytes (measured by tests/service/test_suffix.py), most of it the dict's entry.
 """
 
 from array import array

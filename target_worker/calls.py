@@ -13,13 +13,13 @@ import torch
 
 from opentelemetry.context import Context
 
-from common.batched_forward import as_sampling_input
-from common.batcher import CONTINUE, Continue
-from common.cached_sequence import CachedSequence
-from common.errors import FailedPrecondition
-from common.grammar import GrammarMatcher, mask_logits
-from common.rounds import DraftQ, Verdict
-from common.sampling import (
+from specdec.common.batched_forward import as_sampling_input
+from specdec.common.batcher import CONTINUE, Continue
+from specdec.common.cached_sequence import CachedSequence
+from specdec.common.errors import FailedPrecondition
+from specdec.common.grammar import GrammarMatcher, mask_logits
+from specdec.common.rounds import DraftQ, Verdict
+from specdec.common.sampling import (
     SamplingParams,
     TokenLogprob,
     accept_while_argmax,
@@ -29,11 +29,11 @@ from common.sampling import (
     top_entries,
     verify_draft,
 )
-from common.telemetry import tracer
-from common.timing import elapsed_us
+from specdec.common.telemetry import tracer
+from specdec.common.timing import elapsed_us
 
 if TYPE_CHECKING:
-    from target_worker.engine import TargetEngine
+    from specdec.target_worker.engine import TargetEngine
 
 
 @dataclass

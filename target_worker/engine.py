@@ -12,22 +12,22 @@ import time
 
 import torch
 
-from common.batcher import run_alone
-from common.cached_sequence import CachedSequence, forward_batch
-from common.config import WorkerConfig
-from common.cost_curve import cheapest_rows
-from common.memory import kv_token_budget
-from common.errors import InvalidArgument
-from common.grammar import vocabulary_of
-from common.loaded_model import LoadedModel
-from common.protocol import model_info, worker_info
-from common.rounds import DraftQ, Verdict
-from common.sampling import SamplingParams, make_generator
-from common.prefix_cache import prefix_cache_for
-from common.sessions import SessionRegistry, session_reservation
-from common.timing import elapsed_us
-from common.wire_limits import MAX_P_ENTRIES, MAX_Q_ENTRIES, MAX_STEP_TOKENS, MAX_TOP_LOGPROBS
-from common.validation import (
+from specdec.common.batcher import run_alone
+from specdec.common.cached_sequence import CachedSequence, forward_batch
+from specdec.common.config import WorkerConfig
+from specdec.common.cost_curve import cheapest_rows
+from specdec.common.memory import kv_token_budget
+from specdec.common.errors import InvalidArgument
+from specdec.common.grammar import vocabulary_of
+from specdec.common.loaded_model import LoadedModel
+from specdec.common.protocol import model_info, worker_info
+from specdec.common.rounds import DraftQ, Verdict
+from specdec.common.sampling import SamplingParams, make_generator
+from specdec.common.prefix_cache import prefix_cache_for
+from specdec.common.sessions import SessionRegistry, session_reservation
+from specdec.common.timing import elapsed_us
+from specdec.common.wire_limits import MAX_P_ENTRIES, MAX_Q_ENTRIES, MAX_STEP_TOKENS, MAX_TOP_LOGPROBS
+from specdec.common.validation import (
     check_count,
     check_distribution,
     check_prompt,
@@ -35,8 +35,8 @@ from common.validation import (
     check_sampling_tokens,
     check_token_ids,
 )
-from common.worker_engine import WorkerEngine
-from target_worker.calls import (
+from specdec.common.worker_engine import WorkerEngine
+from specdec.target_worker.calls import (
     Ahead,
     AheadCall,
     Call,

@@ -5,20 +5,20 @@ import time
 
 import grpc
 
-from common.config import ServerOptions, WorkerConfig
-from common.models import load_model
-from common.protocol import (
+from specdec.common.config import ServerOptions, WorkerConfig
+from specdec.common.models import load_model
+from specdec.common.protocol import (
     distribution_from_proto,
     distribution_to_proto,
     logprob_to_proto,
     sampling_from_proto,
     timing_to_proto,
 )
-from common.grpc_server import start_serving
-from common.session_stream import SessionStreamServicer, serve_worker
-from common.timing import elapsed_us
+from specdec.common.grpc_server import start_serving
+from specdec.common.session_stream import SessionStreamServicer, serve_worker
+from specdec.common.timing import elapsed_us
 from specdec.v1 import target_pb2, worker_pb2
-from target_worker.engine import AheadCall, PrefillCall, TargetEngine, VerifyCall
+from specdec.target_worker.engine import AheadCall, PrefillCall, TargetEngine, VerifyCall
 
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
 

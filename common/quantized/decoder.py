@@ -12,9 +12,9 @@ session's logits are bit-identical alone, in a pass of any row count and beside 
 import torch
 from transformers.cache_utils import Cache
 
-from common.quantized.architectures import Architecture, architecture_of
-from common.quantized.kernels import kernels
-from common.quantized.layers import QuantizedLinear
+from specdec.common.quantized.architectures import Architecture, architecture_of
+from specdec.common.quantized.kernels import kernels
+from specdec.common.quantized.layers import QuantizedLinear
 
 
 class StackedProducts:

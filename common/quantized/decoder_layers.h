@@ -9,7 +9,7 @@
 //
 // The loop calls the very functions the Python loop called (the products, rms_norm, rotary, attend_sessions, and
 // ATen's silu or gelu, mul_ and add_), in the same order on the same tensors: its results are bit-identical to it
-// (tests/test_gguf_decoder.py keeps the Python loop as the reference and compares the logits bit for bit).
+// (tests/unit/test_gguf_decoder.py keeps the Python loop as the reference and compares the logits bit for bit).
 //
 // One layer serves every architecture of common/quantized/architectures.py: the blocks some families have and
 // others lack (QK-norm, the norms after attention and after the MLP, a sliding window, a second rotary table,

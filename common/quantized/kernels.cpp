@@ -344,7 +344,7 @@ void set_prefetch_distance(int64_t bytes) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // The compute functions run without the GIL: a worker's event loop must go on reading and answering its
     // streams while a pass runs on its compute thread. Held, a Python thread beside a product stopped for 56-65 %
-    // of it (measured; tests/test_gguf_engine.py checks that a thread wakes during a product).
+    // of it (measured; tests/service/test_gguf_engine.py checks that a thread wakes during a product).
     const auto no_gil = py::call_guard<py::gil_scoped_release>();
     m.def("q4k_matmul", &q4k_matmul, no_gil);
     m.def("q6k_matmul", &q6k_matmul, no_gil);

@@ -1,7 +1,7 @@
 """The C++ kernels (kernels.cpp), compiled once per machine with the compiler on it and cached.
 
 The first use builds them (about a minute with 2 cores) into the specdec cache directory, where later processes
-find them; `python -m common.quantized.kernels` builds them ahead of time (the Makefile and the Docker image do).
+find them; `python -m specdec.common.quantized.kernels` builds them ahead of time (the Makefile and the Docker image do).
 They need an x86-64 CPU with AVX2 and FMA, and a C++ compiler.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from common.model_files import cache_dir
+from specdec.common.model_files import cache_dir
 
 log = logging.getLogger("specdec")
 

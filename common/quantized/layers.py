@@ -5,8 +5,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from common.quantized.formats import PackedWeight
-from common.quantized.kernels import kernels
+from specdec.common.quantized.formats import PackedWeight
+from specdec.common.quantized.kernels import kernels
 
 
 class QuantizedLinear(torch.nn.Module):

@@ -13,12 +13,12 @@ import time
 import numpy as np
 import torch
 
-from common.errors import InvalidArgument
-from common.memory import check_fits
-from common.quantized.architectures import ARCHITECTURES, LINEARS, architecture_of, supported_names
-from common.quantized.formats import FLOAT_FORMATS, UnsupportedFormat, check_kernel_format, pack
-from common.quantized.gguf_file import GGUFFormatError, read_architecture, read_tensors
-from common.quantized.layers import QuantizedEmbedding, QuantizedLinear
+from specdec.common.errors import InvalidArgument
+from specdec.common.memory import check_fits
+from specdec.common.quantized.architectures import ARCHITECTURES, LINEARS, architecture_of, supported_names
+from specdec.common.quantized.formats import FLOAT_FORMATS, UnsupportedFormat, check_kernel_format, pack
+from specdec.common.quantized.gguf_file import GGUFFormatError, read_architecture, read_tensors
+from specdec.common.quantized.layers import QuantizedEmbedding, QuantizedLinear
 
 log = logging.getLogger("specdec")
 

@@ -1,0 +1,1 @@
+"""Deployment tests: the Docker image and compose files, and the Kubernetes manifests."""
