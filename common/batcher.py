@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
+from specdec.common.timing import elapsed_us
+
 
 class Continue:
     """A batch method's result for a call that is not finished (a prefill with prompt chunks still to run): the
@@ -40,12 +42,12 @@ class Batcher:
     def __init__(
         self,
         executor: Executor,
-        run_batch: Callable[[list], list],
+        run_batch: Callable[[list], list] | None,
         open_sessions: Callable[[], int] = lambda: 1,
         max_batch: int = 64,
     ):
         self.executor = executor
-        self.run_batch = run_batch  # calls -> one result (or exception) per call, in order
+        self.run_batch = run_batch  # calls -> one result (or exception) per call, in order; set before a submit
         self.open_sessions = open_sessions  # how many steps a full batch would hold
         self.max_batch = max_batch
         self.queue: list[tuple[object, asyncio.Future]] = []  # calls that arrived
@@ -64,7 +66,7 @@ class Batcher:
         the caller goes on (a decode ahead, queued before the verdict it follows is sent). Cancelling the future
         takes the call out of a batch that has not run yet."""
         future = asyncio.get_running_loop().create_future()
-        call.queued_at = time.monotonic()
+        call.queued_at = time.perf_counter()
         self.queue.append((call, future))
         self.arrived.set()
         if self.draining is None or self.draining.done():
@@ -100,15 +102,15 @@ class Batcher:
                         future.set_exception(error)
 
     async def run(self, batch: list[tuple[object, asyncio.Future]]) -> None:
-        start = time.monotonic()
+        start = time.perf_counter()
         calls = [call for call, _ in batch]
         for call in calls:
-            call.queue_us = int((start - call.queued_at) * 1e6)
+            call.queue_us = elapsed_us(call.queued_at, start)
         try:
             results = await asyncio.get_running_loop().run_in_executor(self.executor, self.run_batch, calls)
         except Exception as error:  # noqa: BLE001 - handed to every caller of the batch
             results = [error] * len(batch)
-        self.last_pass = time.monotonic() - start
+        self.last_pass = time.perf_counter() - start
         for (call, future), result in zip(batch, results, strict=True):
             if future.done():  # the caller went away (its stream was cancelled)
                 continue

@@ -2,7 +2,7 @@
 
 Between rounds the cache holds every committed token but the pending tail; a forward pass feeds tokens on top of
 the cache, and a rollback crops rejected tokens off its end in O(1), never re-running the prefix. Forward passes
-of several sessions run as one batch (forward_batch).
+of several sessions run as one batch: the runner's forward over their caches.
 """
 
 import torch
@@ -29,7 +29,7 @@ class CachedSequence:
 
     def forward(self, token_ids: list[int], logits_to_keep: int) -> torch.Tensor:
         """Feeds token_ids on top of the cache; returns the last logits_to_keep rows as CPU float32 [k, V]."""
-        return as_sampling_input(forward_batch([self], [token_ids], [logits_to_keep])[0])
+        return as_sampling_input(self.runner.forward([self.cache], [token_ids], [logits_to_keep])[0])
 
     def prefill(self, max_tokens: int | None = None) -> bool:
         """Caches the prompt but its last token, which stays pending for the first round: at most max_tokens more
@@ -42,8 +42,3 @@ class CachedSequence:
     def crop_to(self, keep: int) -> int:
         """Crops the cache to its first keep tokens; returns how many tokens were removed."""
         return self.runner.crop_to(self.cache, keep)
-
-
-def forward_batch(sequences: list[CachedSequence], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
-    """One forward pass for several sequences of one model, each fed its own tokens at its own position."""
-    return sequences[0].runner.forward([s.cache for s in sequences], token_ids, logits_to_keep)

@@ -7,7 +7,7 @@ the acceptance test and top-k/top-p are common.sampling's, on the logits a runne
 
 - TorchRunner: transformers' forward with specdec's ragged attention (common.batched_forward), over float32
   oneDNN-packed, eager, bfloat16 (GPU) or #int8 layers.
-- GgufRunner: the gguf engine's own decoder pass on the file's quantized blocks (common.quantized).
+- GgufRunner (common.quantized.decoder): the gguf engine's own decoder pass on the file's quantized blocks.
 """
 
 import statistics
@@ -139,29 +139,10 @@ class TorchRunner(ModelRunner):
         return forward_sessions(self.model, caches, token_ids, logits_to_keep)
 
 
-class GgufRunner(ModelRunner):
-    """The gguf engine's decoder pass (common.quantized.decoder): every row computed on its own, so a session's
-    logits are bit-identical alone, at any row count and in any batch."""
-
-    engine = "gguf"
-    fixed_kernels = True
-
-    def __init__(self, model: torch.nn.Module):
-        from specdec.common.quantized.decoder import QuantizedDecoder
-
-        super().__init__(model)
-        self.decoder = QuantizedDecoder(model)
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        return torch.float32  # the decoder's caches, whatever the blocks' format
-
-    def forward(self, caches: list[Cache], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
-        return self.decoder(caches, token_ids, logits_to_keep)
-
-
 def runner_for(model: torch.nn.Module, engine: str, batch_invariant: bool = True) -> ModelRunner:
     """The runner of a model loaded for `engine` (common.models.resolve_engine)."""
     if engine == "gguf":
+        from specdec.common.quantized.decoder import GgufRunner
+
         return GgufRunner(model)
     return TorchRunner(model, batch_invariant)

@@ -17,6 +17,7 @@ from specdec.common.lifecycle import Lifecycle, run_until_signalled
 from specdec.common.protocol import info_to_proto
 from specdec.common.services import check_parsed
 from specdec.common.telemetry import context_from, run_traced
+from specdec.common.timing import elapsed_us
 from specdec.v1 import worker_pb2
 
 log = logging.getLogger("specdec")
@@ -81,11 +82,21 @@ class SessionStreamServicer:
     role: int  # worker_pb2.WorkerRole reported by GetInfo
 
     def __init__(self, engine=None, idle_timeout: float = ServerOptions.session_idle_timeout):
-        self.engine = engine  # None while the model loads: calls are answered UNAVAILABLE
         self.idle_timeout = idle_timeout
         self.executor = compute_executor()
-        self.batcher = Batcher(self.executor, self.run_batch, self.stepping_sessions)
+        self.batcher = Batcher(self.executor, None, self.stepping_sessions)
+        self.engine = engine  # None while the model loads: calls are answered UNAVAILABLE
         self.lifecycle = Lifecycle(lambda: len(self.engine.sessions) if self.engine else 0)
+
+    @property
+    def engine(self):
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        """The engine (a common.worker_engine.WorkerEngine) whose run_batch the batcher calls on the compute thread."""
+        self._engine = engine
+        self.batcher.run_batch = engine.run_batch if engine is not None else None
 
     async def run(self, request, fn, *args):
         """Runs an engine call on the compute thread, under the trace context the message carried."""
@@ -98,10 +109,6 @@ class SessionStreamServicer:
         drafting, is not waited for)."""
         window = max(1.0, 2 * self.batcher.last_pass)
         return self.engine.sessions.recently_active(window) if self.engine else 0
-
-    def run_batch(self, calls: list) -> list:
-        """Runs one batch of steps on the engine (on the compute thread)."""
-        raise NotImplementedError
 
     @staticmethod
     def parent(request):
@@ -162,7 +169,7 @@ class SessionStreamServicer:
                     raise errors.InvalidArgument("step", "the session is already open; send steps")
                 else:
                     response = await self.step(session, request)
-                    self.timing(response).handling_us = int((time.perf_counter() - received) * 1e6)
+                    self.timing(response).handling_us = elapsed_us(received)
                     yield response
         finally:
             if session is not None:

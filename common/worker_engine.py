@@ -13,8 +13,8 @@ S = TypeVar("S")  # a session: anything with a session_id
 
 
 class WorkerEngine(Generic[S]):
-    """A worker's sessions and batches; a subclass checks its calls (check_call), runs them (the run given to
-    run_checked) and frees what a closed session holds (closed)."""
+    """A worker's sessions and batches; a subclass checks its calls (check_call), runs those that pass (run_ready)
+    and frees what a closed session holds (closed)."""
 
     def __init__(self, role: str, sessions: SessionRegistry[S]):
         self.sessions = sessions
@@ -54,9 +54,9 @@ class WorkerEngine(Generic[S]):
         """Raises the error of a call that may not run."""
         raise NotImplementedError
 
-    def run_checked(self, calls: list, run: Callable[[list[int], list], None]) -> list:
-        """One result per call: a call that fails its checks gets its error, and run(ready, results) fills in
-        those of the calls that passed (by their indices in ready), if any."""
+    def run_batch(self, calls: list) -> list:
+        """One result per call, in order: a call that fails its checks (check_call) gets its error, and run_ready
+        fills in those of the calls that passed, if any."""
         results: list = [None] * len(calls)
         ready = []
         for i, call in enumerate(calls):
@@ -66,5 +66,9 @@ class WorkerEngine(Generic[S]):
             except Exception as error:  # noqa: BLE001 - one bad message fails its own stream only
                 results[i] = error
         if ready:
-            run(ready, results)
+            self.run_ready(calls, ready, results)
         return results
+
+    def run_ready(self, calls: list, ready: list[int], results: list) -> None:
+        """Runs the calls that passed their checks (by their indices in ready), each one's result into results."""
+        raise NotImplementedError

@@ -121,7 +121,7 @@ class DraftEngine(WorkerEngine[DraftSessionHandle]):
         self, handle: DraftSessionHandle, num_accepted: int, committed: list[int], num_tokens: int, assume_accepted: bool = False
     ) -> Proposal:
         """One session's step on its own (a batch of one)."""
-        return run_alone(self.step_batch, DraftCall(handle, num_accepted, committed, num_tokens, assume_accepted))
+        return run_alone(self.run_batch, DraftCall(handle, num_accepted, committed, num_tokens, assume_accepted))
 
     def check_call(self, call: "DraftCall") -> None:
         self.check_step(call)
@@ -142,14 +142,10 @@ class DraftEngine(WorkerEngine[DraftSessionHandle]):
                 "step.num_tokens", f"the sequence would exceed the session's {limit} tokens (start.max_tokens, the context)"
             )
 
-    def step_batch(self, calls: list["DraftCall"]) -> list[Proposal | Exception]:
-        """Applies each session's previous outcome (crop the rejected drafts, append committed), then proposes for
-        all of them: the k-th forward pass of every model session runs as one batch. A call that fails its checks
-        gets its error; the others still run."""
-        return self.run_checked(calls, lambda ready, results: self.propose(calls, ready, results))
-
-    def propose(self, calls: list["DraftCall"], ready: list[int], results: list) -> None:
-        """The proposals of the calls that passed their checks (by their indices in ready), into results."""
+    def run_ready(self, calls: list["DraftCall"], ready: list[int], results: list) -> None:
+        """The proposals of the calls that passed their checks (run_batch, by their indices in ready), into results:
+        each session's previous outcome applied (crop the rejected drafts, append committed), then the k-th forward
+        pass of every model session runs as one batch."""
         spans = {i: self.observed(calls[i]) for i in ready}
         start = time.perf_counter()
         states = [calls[i].handle.state for i in ready]

@@ -4,7 +4,7 @@ every session of a batch run as one pass."""
 import torch
 
 from specdec.common.batched_forward import as_sampling_input
-from specdec.common.cached_sequence import CachedSequence, forward_batch
+from specdec.common.cached_sequence import CachedSequence
 from specdec.common.config import DraftWorkerConfig
 from specdec.common.grammar import GrammarMatcher, mask_logits, vocabulary_of
 from specdec.common.model_runner import ModelRunner
@@ -178,7 +178,8 @@ class ModelProposer(Proposer):
             feeds = [(n, feed) for n, feed in feeds if feed is not None]
             if not feeds:
                 return failed
-            logits = forward_batch([states[n].sequence for n, _ in feeds], [f for _, f in feeds], [1] * len(feeds))
+            caches = [states[n].sequence.cache for n, _ in feeds]
+            logits = states[feeds[0][0]].sequence.runner.forward(caches, [f for _, f in feeds], [1] * len(feeds))
             for (n, _), rows in zip(feeds, logits, strict=True):
                 try:
                     states[n].consume(rows[-1])

@@ -80,7 +80,7 @@ class DraftServicer(SessionStreamServicer):
         if not self.engine.proposer.batched:
             # A model-free proposer takes microseconds: less than handing the call to the compute thread and back,
             # and there is no forward pass to share with other sessions.
-            proposal = self.engine.step_batch([call])[0]
+            proposal = self.engine.run_batch([call])[0]
             if isinstance(proposal, Exception):
                 raise proposal
         else:
@@ -100,15 +100,10 @@ class DraftServicer(SessionStreamServicer):
     def timing(response):
         return response.proposal.timing
 
-    def run_batch(self, calls):
-        return self.engine.step_batch(calls)
-
     def close(self, handle) -> None:
         self.engine.close_session(handle)
 
-    async def Draft(self, request_iterator, context):
-        async for response in self.session_stream(request_iterator, context):
-            yield response
+    Draft = SessionStreamServicer.session_stream  # the one stream protocol of both workers
 
 
 def load_proposer(config: DraftWorkerConfig) -> Proposer:

@@ -348,7 +348,7 @@ class PrefillCall(BaseCall):
             engine.finish_opening(session)
         except FailedPrecondition as error:
             return error
-        in_worker_us = int((time.monotonic() - self.queued_at) * 1e6) if self.queued_at else self.compute_us
+        in_worker_us = elapsed_us(self.queued_at) if self.queued_at else self.compute_us
         return SessionOpened(
             session.session_id,
             sequence.cache_len,

@@ -11,9 +11,10 @@ translates protobuf to calls on it.
 import time
 
 import torch
+from transformers.cache_utils import Cache
 
 from specdec.common.batcher import run_alone
-from specdec.common.cached_sequence import CachedSequence, forward_batch
+from specdec.common.cached_sequence import CachedSequence
 from specdec.common.config import WorkerConfig
 from specdec.common.cost_curve import cheapest_rows
 from specdec.common.memory import kv_token_budget
@@ -196,17 +197,12 @@ class TargetEngine(WorkerEngine[TargetSession]):
     def check_call(self, call: Call) -> None:
         call.check(self)
 
-    def run_batch(self, calls: list[Call]) -> list[Verdict | SessionOpened | Ahead | Exception]:
-        """One forward pass for every call: the rounds of open sessions ([pending, x1..xg] each, then the acceptance
-        test and the rollback of what it rejected), the pending tokens of sessions deciding ahead, and the prompts
-        of opening sessions (prefilled in the same pass: the weights are streamed once for all of them). A call that
-        fails its checks gets its error; the others still run. A round whose every row was scored ahead needs no
-        pass: its verdict is decided at once."""
-        return self.run_checked(calls, lambda ready, results: self.run_pass(calls, ready, results))
-
-    def run_pass(self, calls: list[Call], ready: list[int], results: list) -> None:
-        """The pass of the calls that passed their checks (by their indices in ready), each one's result into
-        results."""
+    def run_ready(self, calls: list[Call], ready: list[int], results: list) -> None:
+        """One forward pass for the calls that passed their checks (run_batch, by their indices in ready), each
+        one's result into results: the rounds of open sessions ([pending, x1..xg] each, then the acceptance test and
+        the rollback of what it rejected), the pending tokens of sessions deciding ahead, and the prompts of opening
+        sessions (prefilled in the same pass: the weights are streamed once for all of them). A round whose every
+        row was scored ahead needs no pass: its verdict is decided at once."""
         ready = [i for i in ready if self.started(calls[i], results, i)]
         if not ready:
             return
@@ -216,7 +212,7 @@ class TargetEngine(WorkerEngine[TargetSession]):
         spans = [calls[i].span(PassFigures(0, len(ready), batch_tokens)) for i in ready]
         fed, batch = self.batch_of(calls, ready, feeds, batch_tokens)
         try:
-            logits = forward_batch(*batch) if fed else []
+            logits = self.runner.forward(*batch) if fed else []
         except BaseException:
             for span in spans:
                 span.end()
@@ -240,9 +236,9 @@ class TargetEngine(WorkerEngine[TargetSession]):
 
     def batch_of(
         self, calls: list[Call], ready: list[int], feeds: list[list[int]], batch_tokens: int
-    ) -> tuple[list[int], tuple[list[CachedSequence], list[list[int]], list[int]]]:
-        """The pass's input: the indices of the calls that feed tokens, and forward_batch's arguments (sequences,
-        their tokens, the logits rows to keep), padded to the cheapest row count."""
+    ) -> tuple[list[int], tuple[list[Cache], list[list[int]], list[int]]]:
+        """The pass's input: the indices of the calls that feed tokens, and the runner's forward arguments (the
+        sequences' caches, their tokens, the logits rows to keep), padded to the cheapest row count."""
         fed = [(i, f) for i, f in zip(ready, feeds, strict=True) if f]  # a one-token prompt has nothing to prefill
         sequences = [calls[i].session.sequence for i, _ in fed]
         feeds = [f for _, f in fed]
@@ -254,7 +250,7 @@ class TargetEngine(WorkerEngine[TargetSession]):
             # Its logits are computed too: the curve was measured with logits for every token.
             pad = CachedSequence(self.runner, [])
             sequences, feeds, keep = [*sequences, pad], [*feeds, [0] * padding], [*keep, padding]
-        return [i for i, _ in fed], (sequences, feeds, keep)
+        return [i for i, _ in fed], ([s.cache for s in sequences], feeds, keep)
 
     def feeds(self, calls: list[Call]) -> list[list[int]]:
         """What each call feeds this pass: a round its pending and drafted tokens (only the drafted ones where its

@@ -116,18 +116,13 @@ class TargetServicer(SessionStreamServicer):
     def timing(response):
         return response.result.timing
 
-    def run_batch(self, calls):
-        return self.engine.run_batch(calls)
-
     def close(self, session) -> None:
         running = self.running_ahead.pop(session.session_id, None)
         if running is not None:
             running.cancel()
         self.engine.close_session(session)
 
-    async def Verify(self, request_iterator, context):
-        async for response in self.session_stream(request_iterator, context):
-            yield response
+    Verify = SessionStreamServicer.session_stream  # the one stream protocol of both workers
 
 
 async def serve(config: WorkerConfig, options: ServerOptions) -> None:

@@ -12,6 +12,7 @@ session's logits are bit-identical alone, in a pass of any row count and beside 
 import torch
 from transformers.cache_utils import Cache
 
+from specdec.common.model_runner import ModelRunner
 from specdec.common.quantized.architectures import Architecture, architecture_of
 from specdec.common.quantized.kernels import kernels
 from specdec.common.quantized.layers import QuantizedLinear
@@ -103,17 +104,22 @@ def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if not cap else logits.div_(cap).tanh_().mul_(cap)
 
 
-class QuantizedDecoder:
-    """The pass of common.model_runner.GgufRunner, over a model built by common.quantized.loader."""
+class GgufRunner(ModelRunner):
+    """The gguf engine's runner, over a model built by common.quantized.loader: every row computed on its own, so
+    a session's logits are bit-identical alone, at any row count and in any batch."""
+
+    engine = "gguf"
+    fixed_kernels = True
 
     def __init__(self, model: torch.nn.Module):
-        self.model = model
+        super().__init__(model)
         self.layers = None  # built at the first pass, after any variant has trimmed them
 
-    def __call__(self, caches: list[Cache], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
-        with torch.inference_mode():
-            return self.forward(caches, token_ids, logits_to_keep)
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return torch.float32  # the decoder's caches, whatever the blocks' format
 
+    @torch.inference_mode()
     def forward(self, caches: list[Cache], token_ids: list[list[int]], logits_to_keep: list[int]) -> list[torch.Tensor]:
         decoder = self.model.get_decoder()
         text = self.model.config.get_text_config()

@@ -80,7 +80,7 @@ def test_batched_draft_steps_propose_what_each_session_proposes_alone(draft_mode
     solo = [engine.open_session(p, params)[0] for p in PROMPTS]
     batch = [engine.open_session(p, params)[0] for p in PROMPTS]
     sizes = [1 + i % 4 for i in range(len(PROMPTS))]  # sessions finish after different numbers of passes
-    proposals = engine.step_batch([DraftCall(h, 0, [], n) for h, n in zip(batch, sizes, strict=True)])
+    proposals = engine.run_batch([DraftCall(h, 0, [], n) for h, n in zip(batch, sizes, strict=True)])
     for handle, n, proposal in zip(solo, sizes, proposals, strict=True):
         expected = engine.step(handle, 0, [], n)
         assert proposal.token_ids == expected.token_ids and proposal.batch_size == len(PROMPTS)
@@ -161,10 +161,10 @@ def test_an_opening_reports_its_wait_in_the_worker_apart_from_its_prefill(target
     coordinator's first guess of a round's transport (the round trip less both) does not count it."""
     engine = TargetEngine(target_model, calibrate=False, max_prefill_tokens=8)
     opening = PrefillCall(engine.begin_session(PROMPTS[3], SamplingParams(temperature=0)))
-    opening.queued_at = time.monotonic() - 0.2  # as the batcher sets it: it arrived 200 ms ago
+    opening.queued_at = time.perf_counter() - 0.2  # as the batcher sets it: it arrived 200 ms ago
     while (opened := engine.run_batch([opening])[0]) is CONTINUE:  # 24 tokens in chunks of 8
         pass
-    in_worker_us = 1e6 * (time.monotonic() - opening.queued_at)
+    in_worker_us = 1e6 * (time.perf_counter() - opening.queued_at)
     assert opened.compute_us > 0 and opened.queue_us >= 200_000
     assert opened.queue_us + opened.compute_us <= in_worker_us + 1  # the prefill is not counted as waiting
 

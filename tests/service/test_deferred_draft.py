@@ -63,16 +63,16 @@ def test_a_model_draft_the_policy_never_wants_is_never_opened(target_model, draf
 def spy_on_first_steps(draft) -> list[int]:
     """How many committed tokens each draft session's first step brought it: for an adopted deferred draft, those of
     the rounds that ran while it opened (what it had not heard of)."""
-    heard, seen, step_batch = [], set(), draft.step_batch
+    heard, seen, run_ready = [], set(), draft.run_ready
 
-    def recording(calls):
-        for call in calls:
+    def recording(calls, ready, results):
+        for call in (calls[i] for i in ready):
             if call.handle.session_id not in seen:
                 seen.add(call.handle.session_id)
                 heard.append(len(call.committed))
-        return step_batch(calls)
+        return run_ready(calls, ready, results)
 
-    draft.step_batch = recording
+    draft.run_ready = recording
     return heard
 
 
@@ -89,7 +89,7 @@ def test_a_deferred_draft_opens_on_the_committed_tokens_and_keeps_the_output_tar
                 # The opening takes long enough for target-only rounds to commit tokens it must then hear of.
                 slowed_prefill(draft, 0.05)
                 ids, stats = await generate_ids(services.stub, prompt, gamma=AUTO, max_new_tokens=160)
-                del draft.prefill_chunk, draft.step_batch  # the engine's own methods again
+                del draft.prefill_chunk, draft.run_ready  # the engine's own methods again
                 assert ids == reference
                 # It speculated, with the identical draft: every drafted token accepted, so the draft's cache held
                 # the prompt, the tokens it opened on and those committed while it opened, in order.

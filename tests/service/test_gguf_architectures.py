@@ -16,7 +16,7 @@ from gguf import GGUFWriter, quants
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from specdec.common.loaded_model import LoadedModel
-from specdec.common.model_runner import GgufRunner
+from specdec.common.quantized.decoder import GgufRunner
 from specdec.common.models import apply_file_rope_factors
 from specdec.common.quantized.loader import build_quantized_model
 from specdec.common.tokenizer import ByteTokenizer

@@ -26,7 +26,6 @@ from specdec.draft_worker.engine import DraftEngine
 from specdec.draft_worker.model_proposer import ModelProposer
 from specdec.draft_worker.proposer import Proposer, deterministic_proposal, point_mass
 from specdec.draft_worker.suffix import SuffixProposer
-from specdec.target_worker import engine as target_engine_module
 from specdec.target_worker.engine import TargetEngine
 from tests.support.statistics import chi_square_p_value
 
@@ -112,14 +111,14 @@ def test_a_forbidden_proposed_token_ends_the_proposal_before_the_target_scores_i
     digit = target.tokenizer.encode("5")[0]
     grammar = grammar_of_schema({"type": "integer"})
     fed = []
-    forward = target_engine_module.forward_batch
-
-    def spy(sequences, feeds, keep):
-        fed.extend(feeds)
-        return forward(sequences, feeds, keep)
-
-    monkeypatch.setattr(target_engine_module, "forward_batch", spy)
     engine = TargetEngine(target, calibrate=False)
+    forward = engine.runner.forward
+
+    def spy(caches, feeds, keep):
+        fed.extend(feeds)
+        return forward(caches, feeds, keep)
+
+    monkeypatch.setattr(engine.runner, "forward", spy)
     prompt = target.tokenizer.encode("n=")
     session, _ = engine.open_session(prompt, SamplingParams(temperature=0, grammar=grammar, grammar_start=len(prompt)))
     fed.clear()

@@ -138,7 +138,7 @@ def test_a_session_whose_sampling_fails_fails_alone_in_its_draft_batch(draft_mod
         raise RuntimeError("probability tensor contains either inf, nan or element < 0")
 
     failing.state.consume = broken
-    results = engine.step_batch([DraftCall(failing, 0, [], 4), DraftCall(fine, 0, [], 4)])
+    results = engine.run_batch([DraftCall(failing, 0, [], 4), DraftCall(fine, 0, [], 4)])
     assert isinstance(results[0], RuntimeError)
     assert isinstance(results[1], Proposal) and len(results[1].token_ids) == 4
     solo = engine.step(alone, 0, [], 4)

@@ -7,7 +7,8 @@ afresh: a draft's cost only, since exactness never depends on the draft) and the
 import pytest
 import torch
 
-from specdec.common.model_runner import GgufRunner, TorchRunner
+from specdec.common.model_runner import TorchRunner
+from specdec.common.quantized.decoder import GgufRunner
 from specdec.common.models import load_model
 from tests.support.services import prefilled
 
