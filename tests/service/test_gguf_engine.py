@@ -328,6 +328,37 @@ def test_greedy_speculation_on_the_gguf_engine_equals_target_only(smollm2):
     asyncio.run(run())
 
 
+def products_of(loaded) -> dict[str, QuantizedLinear]:
+    return {name: m for name, m in loaded.model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+@pytest.mark.slow
+def test_a_draft_requantized_to_q4_1_streams_fewer_bytes_and_keeps_the_output_target_only():
+    """#q4_1: every product layer but Q4_K's in Q4_1, each weight within about half a Q4_1 step of the file's; as a draft
+    of its own original, greedy output equal to target-only, with speculation running."""
+    target, draft = load_model(QWEN[1], engine="gguf"), load_model(QWEN[1] + "#q4_1", engine="gguf")
+    before, after = products_of(target), products_of(draft)
+    assert before.keys() == after.keys() and {m.kernel for m in after.values()} == {"q41", "q4k"}
+    assert sum(m.packed.nbytes for m in after.values()) < 0.75 * sum(m.packed.nbytes for m in before.values())
+    name = next(n for n, m in before.items() if m.kernel == "q80" and m.out_features < 2000)
+    original, requantized = formats.dequantize(before[name].packed), formats.dequantize(after[name].packed)
+    _, d, m = after[name].packed.tensors  # Q4_1: w = d * code + m, per 32 weights
+    error = (requantized - original).abs().reshape(*d.shape, 32)
+    assert bool((error <= 0.51 * d.double()[..., None]).all())  # half a step, and d's float16 rounding
+
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef"
+
+    async def run():
+        proposer = DraftEngine(ModelProposer(draft), draft.name)
+        async with running_services(TargetEngine(target), proposer) as services:
+            reference, _ = await generate_ids(services.stub, prompt, gamma=0, max_new_tokens=24)
+            ids, stats = await generate_ids(services.stub, prompt, 3, max_new_tokens=24)
+            assert ids == reference
+            assert stats.drafted_tokens > 0 and stats.accepted_tokens > 0 and not stats.fallback_reason
+
+    asyncio.run(run())
+
+
 @pytest.mark.slow
 def test_logprobs_are_bit_identical_with_speculation_on_and_off_and_are_the_targets(smollm2):
     prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a"

@@ -96,3 +96,9 @@ def test_random_shapes_have_the_real_models_parameter_counts(shape, billions):
 def test_unknown_random_shape_is_refused():
     with pytest.raises(InvalidArgument, match="known shapes"):
         load_model("random-shape:gpt-5")
+
+
+def test_q4_1_requantization_is_refused_off_the_gguf_engine_naming_the_spec():
+    with pytest.raises(InvalidArgument, match=r"#q4_1 re-quantizes the gguf engine's layers") as error:
+        load_model("tiny-random:seed=7,vocab=64,layers=1,hidden=32#q4_1")
+    assert error.value.field == "model"
