@@ -74,17 +74,7 @@ def response_to_dict(response: generation_pb2.GenerateResponse) -> dict:
             "completion_tokens": response.usage.completion_tokens,
             "cached_prompt_tokens": response.usage.cached_prompt_tokens,
         },
-        "speculation": {
-            "rounds": spec.rounds,
-            "drafted_tokens": spec.drafted_tokens,
-            "accepted_tokens": spec.accepted_tokens,
-            "acceptance_rate": spec.acceptance_rate,
-            "mean_tokens_per_round": spec.mean_tokens_per_round,
-            "num_speculative_tokens": spec.num_speculative_tokens,
-            "fallback_reason": spec.fallback_reason,
-            "overlap": spec.overlap,
-            "overlapped_rounds": spec.overlapped_rounds,
-        },
+        "speculation": {field.name: getattr(spec, field.name) for field in spec.DESCRIPTOR.fields},
         "time_split_us": {name: getattr(response.time_split, name) for name in TIME_SPLIT_FIELDS},
     }
 

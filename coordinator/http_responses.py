@@ -9,7 +9,7 @@ from collections import Counter
 from specdec.coordinator.output import Delta
 from specdec.coordinator.finish_reasons import FINISH_REASON_NAMES
 from specdec.coordinator.tool_calls import CallArguments, CallStart, CallStream, parse_calls
-from specdec.coordinator.types import GenerationParams, GenerationResult
+from specdec.coordinator.types import GenerationParams, GenerationResult, summed_speculation
 from specdec.common.sampling import TokenLogprob
 from specdec.common.tokenizer import Tokenizer
 
@@ -18,18 +18,7 @@ from specdec.coordinator.http_translate import Tools
 
 def speculation_of(results: list[GenerationResult], by_position: bool) -> dict:
     """specdec's figures of a request, summed over its choices."""
-    drafted = sum(r.drafted_tokens for r in results)
-    accepted = sum(r.accepted_tokens for r in results)
-    rounds = sum(len(r.rounds) for r in results)
-    speculation = {
-        "drafted_tokens": drafted,
-        "accepted_tokens": accepted,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "rounds": rounds,
-        "mean_tokens_per_round": sum(r.mean_tokens_per_round * len(r.rounds) for r in results) / rounds if rounds else 0.0,
-        "num_speculative_tokens": results[0].num_speculative_tokens,
-        "fallback_reason": next((r.fallback_reason for r in results if r.fallback_reason), ""),
-    }
+    speculation = summed_speculation(results)
     if by_position:
         drafted_at, accepted_at = Counter(), Counter()
         for result in results:

@@ -72,10 +72,7 @@ def finished_attributes(result: GenerationResult, model_name: str, reopened_sess
         "specdec.cached_prompt_tokens": result.cached_prompt_tokens,
         "gen_ai.response.finish_reasons": [FINISH_REASON_NAMES.get(result.finish_reason, "unknown")],
         "gen_ai.response.model": model_name,
-        "specdec.rounds": len(result.rounds),
-        "specdec.drafted_tokens": result.drafted_tokens,
-        "specdec.accepted_tokens": result.accepted_tokens,
-        "specdec.overlapped_rounds": result.overlapped_rounds,
+        **{f"specdec.{name}": value for name, value in result.speculation_stats().items()},
         "specdec.target.reopened_sessions": reopened_sessions,
         **result.time_split.attributes("specdec.time"),
     }

@@ -130,6 +130,11 @@ class GenerationResult:
     def mean_tokens_per_round(self) -> float:
         return sum(r.committed for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
 
+    def speculation_stats(self) -> dict:
+        """The request's speculation figures, as every sink reports them (the fields of the proto's
+        SpeculationStats): the one place they are named."""
+        return summed_speculation([self])
+
     def by_position(self) -> list[tuple[int, int, int]]:
         """(position, drafted, accepted) per draft position (1-based): what acceptance does along a proposal."""
         drafted, accepted = Counter(), Counter()
@@ -137,3 +142,20 @@ class GenerationResult:
             drafted.update(range(1, stats.drafted + 1))
             accepted.update(range(1, stats.accepted + 1))
         return [(position, drafted[position], accepted[position]) for position in sorted(drafted)]
+
+
+def summed_speculation(results: list[GenerationResult]) -> dict:
+    """The speculation figures of one or more results (a request's choices) together."""
+    rounds = [r for result in results for r in result.rounds]
+    drafted, accepted = sum(r.drafted for r in rounds), sum(r.accepted for r in rounds)
+    return {
+        "rounds": len(rounds),
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_tokens_per_round": sum(r.committed for r in rounds) / len(rounds) if rounds else 0.0,
+        "num_speculative_tokens": results[0].num_speculative_tokens,
+        "fallback_reason": next((r.fallback_reason for r in results if r.fallback_reason), ""),
+        "overlap": results[0].overlap,
+        "overlapped_rounds": sum(r.overlapped for r in rounds),
+    }
