@@ -179,7 +179,7 @@ class ModelProposer(Proposer):
             if not feeds:
                 return failed
             caches = [states[n].sequence.cache for n, _ in feeds]
-            logits = states[feeds[0][0]].sequence.runner.forward(caches, [f for _, f in feeds], [1] * len(feeds))
+            logits = self.loaded.runner.forward(caches, [f for _, f in feeds], [1] * len(feeds))
             for (n, _), rows in zip(feeds, logits, strict=True):
                 try:
                     states[n].consume(rows[-1])
