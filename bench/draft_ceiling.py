@@ -42,23 +42,32 @@ def draft_agreement(draft, prompt: list[int], answer: list[int]) -> list[bool]:
     return [int(row.argmax()) == token for row, token in zip(rows, answer, strict=False)]
 
 
-def pass_ms(loaded, rows: int) -> float:
-    """One pass over `rows` new tokens on a cache holding CALIBRATION_CONTEXT tokens."""
-    runner, cache, vocab = loaded.runner, loaded.runner.new_cache(), loaded.vocab_size
+def pass_timer(loaded):
+    """A timer of passes over `rows` new tokens on one cache holding CALIBRATION_CONTEXT tokens, cropped back after
+    each, so that every timing finds the same warm cache (as the runner's own calibration does)."""
+    runner, vocab = loaded.runner, loaded.vocab_size
+    cache = runner.new_cache()
     runner.forward([cache], [[t % vocab for t in range(100, 100 + CALIBRATION_CONTEXT)]], [1])
-    start = time.perf_counter()
-    runner.forward([cache], [[t % vocab for t in range(300, 300 + rows)]], [rows])
-    return (time.perf_counter() - start) * 1e3
+
+    def pass_ms(rows: int) -> float:
+        start = time.perf_counter()
+        runner.forward([cache], [[t % vocab for t in range(300, 300 + rows)]], [rows])
+        elapsed = (time.perf_counter() - start) * 1e3
+        runner.crop_to(cache, CALIBRATION_CONTEXT)
+        return elapsed
+
+    return pass_ms
 
 
 def measured_costs(target, drafts: dict, repeats: int) -> tuple[dict[int, float], dict[str, float]]:
     """The target's pass curve and each draft's 1-token step (ms), interleaved, medians of `repeats`."""
+    target_pass, draft_steps = pass_timer(target), {name: pass_timer(draft) for name, draft in drafts.items()}
     curve, steps = {rows: [] for rows in ROWS}, {name: [] for name in drafts}
     for _ in range(repeats):
         for rows in ROWS:
-            curve[rows].append(pass_ms(target, rows))
-        for name, draft in drafts.items():
-            steps[name].append(pass_ms(draft, 1))
+            curve[rows].append(target_pass(rows))
+        for name, draft_pass in draft_steps.items():
+            steps[name].append(draft_pass(1))
     return {r: statistics.median(v) for r, v in curve.items()}, {n: statistics.median(v) for n, v in steps.items()}
 
 

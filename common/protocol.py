@@ -2,7 +2,7 @@
 
 import torch
 
-from specdec.common.rounds import DraftSource
+from specdec.common.rounds import DraftQ, DraftSource
 from specdec.common.sampling import SamplingParams, SparseDistribution, TokenLogprob
 from specdec.v1 import worker_pb2
 
@@ -67,24 +67,16 @@ def distribution_to_proto(dist: SparseDistribution) -> worker_pb2.SparseDistribu
     return worker_pb2.SparseDistribution(token_ids=dist.token_ids.tolist(), probs=dist.probs.tolist())
 
 
+def as_distribution(dist: DraftQ) -> SparseDistribution:
+    """A drafted token's q as tensors, from either form a round carries it in (common.rounds.DraftQ)."""
+    return dist if isinstance(dist, SparseDistribution) else distribution_from_proto(dist)
+
+
 def distribution_from_proto(msg: worker_pb2.SparseDistribution) -> SparseDistribution:
     # float32 on both ends: q arrives bit-identical to what the draft sampled from.
     return SparseDistribution(
         token_ids=torch.tensor(list(msg.token_ids), dtype=torch.long),
         probs=torch.tensor(list(msg.probs), dtype=torch.float32),
-    )
-
-
-def timing_to_proto(
-    compute_us: int, sync_us: int = 0, batch_size: int = 1, batch_tokens: int = 0, queue_us: int = 0, ahead_us: int = 0
-) -> worker_pb2.WorkerTiming:
-    return worker_pb2.WorkerTiming(
-        compute_us=compute_us,
-        sync_us=sync_us,
-        batch_size=batch_size,
-        batch_tokens=batch_tokens,
-        queue_us=queue_us,
-        ahead_us=ahead_us,
     )
 
 

@@ -1,6 +1,6 @@
 """What one speculation round produces on each worker, as the engines return it and the coordinator reads it."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 
 from specdec.common.sampling import SparseDistribution, TokenLogprob
@@ -23,19 +23,36 @@ class DraftSource(StrEnum):
 
 
 @dataclass
+class WorkerTiming:
+    """A worker's account of handling one message: the proto WorkerTiming's fields, one record from the engine that
+    measures them through the wire to the coordinator's time split and the gamma policy."""
+
+    compute_us: int = 0
+    sync_us: int = 0  # KV-cache rollback
+    batch_size: int = 1  # sessions in the worker's batched forward pass
+    batch_tokens: int = 0  # tokens fed in that pass, over all its sessions (the target's)
+    queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it
+    handling_us: int = 0  # the worker's whole handling of the message (0: not measured, in process)
+    ahead_us: int = 0  # of compute_us, scoring done ahead, before the message arrived (hidden behind the exchange)
+
+    def to_proto(self) -> worker_pb2.WorkerTiming:
+        return worker_pb2.WorkerTiming(**vars(self))
+
+    @classmethod
+    def from_proto(cls, msg: worker_pb2.WorkerTiming) -> "WorkerTiming":
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+
+@dataclass
 class Proposal:
     """The draft's tokens x1..xg with the exact q_i each was sampled from."""
 
     token_ids: list[int]
     distributions: list[DraftQ]
-    compute_us: int = 0
-    sync_us: int = 0
+    timing: WorkerTiming = field(default_factory=WorkerTiming)
     bytes_sent: int = 0  # serialized size of the messages that asked for it and carried it (0 in process)
     bytes_received: int = 0
     assumed_token: int | None = None  # overlap: the token assumed to precede x1 (the target's bonus)
-    batch_size: int = 1
-    queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it
-    handling_us: int = 0  # the worker's whole handling of the message (0: not measured, in process)
     source: DraftSource = DraftSource.NONE
     # Per token, the proposer's uncalibrated estimate that the target accepts it once it accepted the tokens before
     # it (suffix trees); empty where the proposer makes none. The coordinator calibrates it against verdicts and
@@ -53,13 +70,7 @@ class Verdict:
     rollback: int
     draft_token_probs: list[float]
     distributions: list[SparseDistribution] = field(default_factory=list)
-    compute_us: int = 0
-    sync_us: int = 0
+    timing: WorkerTiming = field(default_factory=WorkerTiming)
     bytes_sent: int = 0
     bytes_received: int = 0
-    batch_size: int = 1  # sessions in the target's batched forward pass
-    batch_tokens: int = 0  # tokens fed in that pass, over all its sessions
-    queue_us: int = 0  # waiting on the worker for the batch to form and for the pass before it
-    handling_us: int = 0  # the worker's whole handling of the message (0: not measured, in process)
-    ahead_us: int = 0  # of compute_us, scoring done ahead, before the message arrived (hidden behind the exchange)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per committed token, when the session asked

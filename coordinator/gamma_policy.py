@@ -197,19 +197,20 @@ class GammaPolicy:
 
     def learn(self, result: RoundResult) -> None:
         """What a round teaches: the draft's speed, acceptance, and the target's batch."""
-        verdict = result.verdict
+        verdict, verify = result.verdict, result.verdict.timing
         if result.exposed is not None:
-            self.observe_draft(len(result.exposed.token_ids), result.exposed.compute_us, result.exposed.batch_size)
+            drafted = result.exposed.timing
+            self.observe_draft(len(result.exposed.token_ids), drafted.compute_us, drafted.batch_size)
         self.observe(
             result.drafted,
             verdict.num_accepted,
             result.drafted + 1,
-            verdict.compute_us,
-            verdict.batch_size,
-            verdict.batch_tokens,
+            verify.compute_us,
+            verify.batch_size,
+            verify.batch_tokens,
         )
         if result.pre is not None:
-            self.observe_draft(len(result.pre.token_ids) + 1, result.pre.compute_us, result.pre.batch_size)
+            self.observe_draft(len(result.pre.token_ids) + 1, result.pre.timing.compute_us, result.pre.timing.batch_size)
         if result.proposal is not None and result.proposal.confidence:
             self.observe_confidence(result.proposal.confidence, verdict.num_accepted)
 

@@ -237,8 +237,8 @@ class RequestRun:
 def exchange_costs(result: RoundResult, stats: RoundStats) -> tuple[int, int | None]:
     """What the round paid beyond the target's work (its exchange and the coordinator), and what asking the draft
     cost beyond drafting (None when the round did not ask it): a round without drafting skips the second."""
-    verify_work, _ = handling(result.verdict)
+    verify_work, _ = handling(result.verdict.timing)
     beyond_verify = max(0, result.verify_rtt_us - verify_work)
     beyond_verify += max(0, result.pre_rtt_us - result.verify_rtt_us)  # a pre-draft that outlasted verification
-    draft_exchange = result.draft_rtt_us - result.exposed.compute_us if result.exposed is not None else None
+    draft_exchange = result.draft_rtt_us - result.exposed.timing.compute_us if result.exposed is not None else None
     return beyond_verify + stats.time_split.coordinator_us, draft_exchange

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from opentelemetry.context import Context
 
-from specdec.common.rounds import DraftSource, Proposal, Verdict
+from specdec.common.rounds import DraftSource, Proposal, Verdict, WorkerTiming
 from specdec.common.timing import elapsed_us
 from specdec.coordinator.types import RoundStats, TimeSplit
 
@@ -194,20 +194,17 @@ def round_stats(result: RoundResult, wall_us: int) -> RoundStats:
         bytes_sent=sum(m.bytes_sent for m in messages),
         bytes_received=sum(m.bytes_received for m in messages),
         overlapped=result.overlapped,
-        target_batch_size=result.verdict.batch_size,
+        target_batch_size=result.verdict.timing.batch_size,
         draft_source=result.proposal.source if result.drafted else DraftSource.NONE,
     )
 
 
-def handling(message: Proposal | Verdict | None) -> tuple[int, int]:
+def handling(timing: WorkerTiming) -> tuple[int, int]:
     """(work, handling): what a worker reported doing for a message once it had it (not what it scored ahead of
     it), and its whole handling of it (in process, where nothing is measured around the work, the two are the
     same)."""
-    if message is None:
-        return 0, 0
-    ahead = message.ahead_us if isinstance(message, Verdict) else 0
-    work = message.compute_us - ahead + message.sync_us + message.queue_us
-    return work, max(work, message.handling_us)
+    work = timing.compute_us - timing.ahead_us + timing.sync_us + timing.queue_us
+    return work, max(work, timing.handling_us)
 
 
 def round_split(result: RoundResult, wall_us: int) -> TimeSplit:
@@ -218,18 +215,20 @@ def round_split(result: RoundResult, wall_us: int) -> TimeSplit:
     target's scoring ahead ran before the round's step arrived (behind the previous verdict's and this step's
     transport): hidden too.
     """
-    exposed, pre, verdict = result.exposed, result.pre, result.verdict
-    draft_work, draft_handling = handling(exposed)
-    verify_work, verify_handling = handling(verdict)
+    none = WorkerTiming()
+    draft, verify = result.exposed.timing if result.exposed else none, result.verdict.timing
+    pre = result.pre.timing if result.pre else none
+    draft_work, draft_handling = handling(draft)
+    verify_work, verify_handling = handling(verify)
     concurrent_us = max(result.verify_rtt_us, result.pre_rtt_us)
     past_verify_us = concurrent_us - result.verify_rtt_us
-    pre_work = (pre.compute_us + pre.sync_us) if pre else 0
+    pre_work = pre.compute_us + pre.sync_us
     pre_exposed = min(pre_work, past_verify_us)
     return TimeSplit(
-        draft_us=(exposed.compute_us if exposed else 0) + pre_exposed,
-        verify_us=verdict.compute_us - verdict.ahead_us,
-        sync_us=(exposed.sync_us if exposed else 0) + verdict.sync_us,
-        queue_us=(exposed.queue_us if exposed else 0) + verdict.queue_us,
+        draft_us=draft.compute_us + pre_exposed,
+        verify_us=verify.compute_us - verify.ahead_us,
+        sync_us=draft.sync_us + verify.sync_us,
+        queue_us=draft.queue_us + verify.queue_us,
         handling_us=(draft_handling - draft_work) + (verify_handling - verify_work),
         network_us=max(0, result.draft_rtt_us - draft_handling)
         + max(0, result.verify_rtt_us - verify_handling)
@@ -238,7 +237,7 @@ def round_split(result: RoundResult, wall_us: int) -> TimeSplit:
         coordinator_us=max(0, wall_us - result.draft_rtt_us - concurrent_us),
         total_us=wall_us,
         draft_overlapped_us=pre_work - pre_exposed,
-        verify_ahead_us=verdict.ahead_us,
+        verify_ahead_us=verify.ahead_us,
     )
 
 

@@ -122,14 +122,6 @@ class GenerationResult:
     def accepted_tokens(self) -> int:
         return sum(r.accepted for r in self.rounds)
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def mean_tokens_per_round(self) -> float:
-        return sum(r.committed for r in self.rounds) / len(self.rounds) if self.rounds else 0.0
-
     def speculation_stats(self) -> dict:
         """The request's speculation figures, as every sink reports them (the fields of the proto's
         SpeculationStats): the one place they are named."""

@@ -18,7 +18,7 @@ from specdec.common.protocol import (
     logprob_from_proto,
     sampling_to_proto,
 )
-from specdec.common.rounds import DraftQ, DraftSource, Proposal, Verdict
+from specdec.common.rounds import DraftQ, DraftSource, Proposal, Verdict, WorkerTiming
 from specdec.common.sampling import SamplingParams, SparseDistribution
 from specdec.common.grpc_options import CHANNEL_OPTIONS
 from specdec.common.tls import TlsFiles, channel_credentials
@@ -202,15 +202,9 @@ class GrpcTargetSession(StreamSession):
             draft_token_probs=list(result.draft_token_probs),
             distributions=[distribution_from_proto(d) for d in result.distributions],
             logprobs=[logprob_from_proto(e) for e in result.logprobs],
-            compute_us=result.timing.compute_us,
-            sync_us=result.timing.sync_us,
+            timing=WorkerTiming.from_proto(result.timing),
             bytes_sent=sent,
             bytes_received=received,
-            batch_size=result.timing.batch_size,
-            batch_tokens=result.timing.batch_tokens,
-            queue_us=result.timing.queue_us,
-            handling_us=result.timing.handling_us,
-            ahead_us=result.timing.ahead_us,
         )
 
 
@@ -244,14 +238,10 @@ class GrpcDraftSession(StreamSession):
         return Proposal(
             token_ids=list(proposal.token_ids),
             distributions=list(proposal.distributions),  # passed on to the target as received
-            compute_us=proposal.timing.compute_us,
-            sync_us=proposal.timing.sync_us,
+            timing=WorkerTiming.from_proto(proposal.timing),
             bytes_sent=sent,
             bytes_received=received,
             assumed_token=proposal.assumed_token_id if proposal.HasField("assumed_token_id") else None,
-            batch_size=proposal.timing.batch_size,
-            queue_us=proposal.timing.queue_us,
-            handling_us=proposal.timing.handling_us,
             source=DRAFT_SOURCE_OF.get(proposal.source, DraftSource.NONE),
             confidence=list(proposal.confidence),
         )

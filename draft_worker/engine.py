@@ -14,7 +14,7 @@ from specdec.common.config import DraftWorkerConfig
 from specdec.common.errors import InvalidArgument
 from specdec.common.memory import kv_token_budget
 from specdec.common.protocol import worker_info
-from specdec.common.rounds import Proposal
+from specdec.common.rounds import Proposal, WorkerTiming
 from specdec.common.sampling import SamplingParams
 from specdec.common.sessions import SessionRegistry, session_reservation
 from specdec.common.telemetry import tracer
@@ -157,8 +157,7 @@ class DraftEngine(WorkerEngine[DraftSessionHandle]):
                 spans[i].end()
                 results[i] = proposal
                 continue
-            proposal.compute_us, proposal.sync_us, proposal.batch_size = compute_us, calls[i].sync_us, len(ready)
-            proposal.queue_us = calls[i].queue_us
+            proposal.timing = WorkerTiming(compute_us, calls[i].sync_us, len(ready), queue_us=calls[i].queue_us)
             spans[i].set_attributes(
                 {
                     "specdec.drafted": len(proposal.token_ids),

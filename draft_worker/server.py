@@ -6,8 +6,9 @@ import grpc
 
 from specdec.common.config import DraftWorkerConfig, ServerOptions
 from specdec.common.models import load_model
-from specdec.common.protocol import DRAFT_SOURCES, distribution_to_proto, sampling_from_proto, timing_to_proto
+from specdec.common.protocol import DRAFT_SOURCES, distribution_to_proto, sampling_from_proto
 from specdec.common.grpc_server import start_serving
+from specdec.common.rounds import WorkerTiming
 from specdec.common.session_stream import SessionStreamServicer, serve_worker
 from specdec.draft_worker.engine import DraftCall, DraftEngine
 from specdec.draft_worker.hybrid import HybridProposer
@@ -67,7 +68,7 @@ class DraftServicer(SessionStreamServicer):
         started = worker_pb2.SessionStarted(
             session_id=handle.session_id,
             cached_tokens=handle.state.cached,
-            timing=timing_to_proto(handle.prefill_us),
+            timing=WorkerTiming(handle.prefill_us).to_proto(),
             reused_tokens=getattr(handle.state, "reused_tokens", None) or 0,  # a model draft's, from its prefix cache
         )
         return handle, draft_pb2.DraftResponse(started=started)
@@ -89,7 +90,7 @@ class DraftServicer(SessionStreamServicer):
             proposal=draft_pb2.DraftProposal(
                 token_ids=proposal.token_ids,
                 distributions=[distribution_to_proto(d) for d in proposal.distributions],
-                timing=timing_to_proto(proposal.compute_us, proposal.sync_us, proposal.batch_size, queue_us=proposal.queue_us),
+                timing=proposal.timing.to_proto(),
                 assumed_token_id=proposal.assumed_token,
                 source=DRAFT_SOURCES[proposal.source],
                 confidence=proposal.confidence,

@@ -18,7 +18,8 @@ from specdec.common.batcher import CONTINUE, Continue
 from specdec.common.cached_sequence import CachedSequence
 from specdec.common.errors import FailedPrecondition
 from specdec.common.grammar import GrammarMatcher, mask_logits
-from specdec.common.rounds import DraftQ, Verdict
+from specdec.common.protocol import as_distribution
+from specdec.common.rounds import DraftQ, Verdict, WorkerTiming
 from specdec.common.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -139,7 +140,7 @@ class VerifyCall(BaseCall):
 
     session: TargetSession
     draft_tokens: list[int]
-    draft_dists: list[DraftQ]  # a sampled session's as tensors; a greedy one's maybe as received (only checked)
+    draft_dists: list[DraftQ]  # as received; a sampled session's converted to tensors once checked
     parent: Context | None = None
     queued_at: float = 0.0  # set by the batcher
     queue_us: int = 0
@@ -162,6 +163,8 @@ class VerifyCall(BaseCall):
     def check(self, engine: "TargetEngine") -> None:
         engine.require_open(self.session)
         engine.check_step(self.session, self.draft_tokens, self.draft_dists)
+        if not self.session.argmax_verdict:  # a greedy verdict never reads q (p is one-hot): q is only checked
+            self.draft_dists = [as_distribution(d) for d in self.draft_dists]
         if self.session.grammar is not None:
             self.allowed, self.fed, self.num_tested = self.session.grammar.masks_along(self.draft_tokens)
 
@@ -186,10 +189,11 @@ class VerifyCall(BaseCall):
             verdict = engine.decide(self, logits, span)
         except Exception as error:  # noqa: BLE001 - fails this session's stream (and frees it), not the batch
             return error
-        verdict.batch_size, verdict.batch_tokens = batch_size, batch_tokens
-        verdict.compute_us += figures.forward_us + (ahead.compute_us if ahead else 0)
-        verdict.ahead_us = ahead.compute_us if ahead else 0
-        verdict.queue_us = self.queue_us
+        timing = verdict.timing
+        timing.batch_size, timing.batch_tokens = batch_size, batch_tokens
+        timing.compute_us += figures.forward_us + (ahead.compute_us if ahead else 0)
+        timing.ahead_us = ahead.compute_us if ahead else 0
+        timing.queue_us = self.queue_us
         return verdict
 
     def decide(self, engine: "TargetEngine", logits: torch.Tensor, span) -> Verdict:
@@ -219,8 +223,7 @@ class VerifyCall(BaseCall):
             gamma - num_accepted,
             draft_token_probs,
             distributions,
-            compute_us,
-            sync_us,
+            WorkerTiming(compute_us, sync_us),
             logprobs=logprobs,
         )
 

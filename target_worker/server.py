@@ -8,12 +8,11 @@ import grpc
 from specdec.common.config import ServerOptions, WorkerConfig
 from specdec.common.models import load_model
 from specdec.common.protocol import (
-    distribution_from_proto,
     distribution_to_proto,
     logprob_to_proto,
     sampling_from_proto,
-    timing_to_proto,
 )
+from specdec.common.rounds import WorkerTiming
 from specdec.common.grpc_server import start_serving
 from specdec.common.session_stream import SessionStreamServicer, serve_worker
 from specdec.common.timing import elapsed_us
@@ -51,30 +50,24 @@ class TargetServicer(SessionStreamServicer):
             session_id=opened.session_id,
             cached_tokens=opened.cached_tokens,
             reused_tokens=opened.reused_tokens,
-            timing=timing_to_proto(opened.compute_us, queue_us=opened.queue_us),
+            timing=WorkerTiming(opened.compute_us, queue_us=opened.queue_us).to_proto(),
             prompt_logprobs=[logprob_to_proto(e) for e in opened.prompt_logprobs],
         )
         return session, target_pb2.VerifyResponse(started=started)
 
     async def step(self, session, request):
         step = request.step
-        self.engine.check_step_size(step.draft_token_ids, step.draft_distributions)
         if step.decode_ahead:
             self.engine.check_decode_ahead(session)
-        # A greedy verdict never reads q (p is one-hot): it is only checked, as it came off the wire.
-        dists = (
-            list(step.draft_distributions)
-            if session.argmax_verdict
-            else [distribution_from_proto(d) for d in step.draft_distributions]
-        )
-        call = VerifyCall(session, list(step.draft_token_ids), dists, self.parent(request))
+        # Checked and converted by the call itself (VerifyCall.check), once, on the compute thread.
+        call = VerifyCall(session, list(step.draft_token_ids), list(step.draft_distributions), self.parent(request))
         waited_us = await self.ahead_of(session)
         if session.ahead is not None and not call.draft_tokens:
             # Scored ahead: decided at once with no pass, on the compute thread like every engine call.
             verdict = await self.run(request, self.engine.verify, session, [], [])
         else:
             verdict = await self.batcher.submit(call)
-        verdict.ahead_us = max(0, verdict.ahead_us - waited_us)
+        verdict.timing.ahead_us = max(0, verdict.timing.ahead_us - waited_us)
         if step.decode_ahead:
             self.decode_ahead(session, request)
         return target_pb2.VerifyResponse(
@@ -85,14 +78,7 @@ class TargetServicer(SessionStreamServicer):
                 draft_token_probs=verdict.draft_token_probs,
                 distributions=[distribution_to_proto(d) for d in verdict.distributions],
                 logprobs=[logprob_to_proto(e) for e in verdict.logprobs],
-                timing=timing_to_proto(
-                    verdict.compute_us,
-                    verdict.sync_us,
-                    verdict.batch_size,
-                    verdict.batch_tokens,
-                    verdict.queue_us,
-                    verdict.ahead_us,
-                ),
+                timing=verdict.timing.to_proto(),
             )
         )
 

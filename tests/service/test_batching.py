@@ -70,7 +70,7 @@ def test_one_bad_call_in_a_batch_fails_alone(target_model):
     for i in (0, 2):
         expected = engine.verify(solo[i], drafts[i], dists[i])
         assert (results[i].num_accepted, results[i].next_token) == (expected.num_accepted, expected.next_token)
-        assert results[i].batch_size == 2 and results[i].batch_tokens == 2 + 1 + 1 + 1
+        assert results[i].timing.batch_size == 2 and results[i].timing.batch_tokens == 2 + 1 + 1 + 1
         assert batch[i].sequence.tokens == solo[i].sequence.tokens
 
 
@@ -83,7 +83,7 @@ def test_batched_draft_steps_propose_what_each_session_proposes_alone(draft_mode
     proposals = engine.run_batch([DraftCall(h, 0, [], n) for h, n in zip(batch, sizes, strict=True)])
     for handle, n, proposal in zip(solo, sizes, proposals, strict=True):
         expected = engine.step(handle, 0, [], n)
-        assert proposal.token_ids == expected.token_ids and proposal.batch_size == len(PROMPTS)
+        assert proposal.token_ids == expected.token_ids and proposal.timing.batch_size == len(PROMPTS)
         for q, e in zip(proposal.distributions, expected.distributions, strict=True):
             assert torch.equal(q.token_ids, e.token_ids) and torch.allclose(q.probs, e.probs, atol=1e-6)
 
@@ -150,7 +150,7 @@ def test_an_opening_session_is_prefilled_in_the_same_pass_as_the_others_rounds(t
     assert opened.cached_tokens == len(PROMPTS[3]) - 1 and opening.session_id in engine.sessions.sessions
     expected = engine.verify(reference, [5], dists)
     assert (verdict.num_accepted, verdict.next_token) == (expected.num_accepted, expected.next_token)
-    assert verdict.batch_size == 2 and verdict.batch_tokens == len(PROMPTS[3]) - 1 + 2
+    assert verdict.timing.batch_size == 2 and verdict.timing.batch_tokens == len(PROMPTS[3]) - 1 + 2
     alone = engine.open_session(PROMPTS[3], greedy)[0]
     first = engine.verify(opening, [], [])
     assert first.next_token == engine.verify(alone, [], []).next_token

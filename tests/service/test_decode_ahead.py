@@ -74,7 +74,7 @@ def test_a_round_scored_ahead_gets_the_verdict_it_gets_in_one_pass(engine, param
         )
     # Every round after the first was scored ahead (its first row in a pass of its own), and the rounds that
     # drafted had rows to accept and to reject.
-    assert all(v.ahead_us > 0 for v in ahead[1:]) and not any(v.ahead_us for v in plain)
+    assert all(v.timing.ahead_us > 0 for v in ahead[1:]) and not any(v.timing.ahead_us for v in plain)
     assert sum(v.rollback for v in plain) > 0
     assert sum(v.num_accepted for v in plain) > 0 or not params.greedy
 

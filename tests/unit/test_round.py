@@ -5,14 +5,14 @@ import asyncio
 
 import pytest
 
-from specdec.common.rounds import Proposal, Verdict
+from specdec.common.rounds import Proposal, Verdict, WorkerTiming
 from specdec.coordinator.round import DraftSync, RoundResult, round_split, round_stats, speculation_round
 
 DRAFTED = [11, 12, 13]
 
 
 def proposal(tokens: list[int], assumed: int | None = None, **timing) -> Proposal:
-    return Proposal(token_ids=tokens, distributions=[None] * len(tokens), assumed_token=assumed, **timing)
+    return Proposal(tokens, [None] * len(tokens), WorkerTiming(**timing), assumed_token=assumed)
 
 
 class ScriptedWorkers:
@@ -110,7 +110,7 @@ def test_overlap_discards_the_pre_draft_when_the_verdict_breaks_its_assumption(a
 
 def test_round_split_counts_the_workers_handling_apart_from_the_transport():
     exposed = proposal(DRAFTED, compute_us=300, sync_us=20, queue_us=10, handling_us=450)
-    verdict = Verdict(3, 9, 0, [], compute_us=2000, sync_us=50, queue_us=100, handling_us=2300)
+    verdict = Verdict(3, 9, 0, [], timing=WorkerTiming(2000, 50, queue_us=100, handling_us=2300))
     result = RoundResult(3, exposed, exposed, verdict, [*DRAFTED, 9], draft_rtt_us=800, verify_rtt_us=2700)
     split = round_split(result, wall_us=3700)
     assert (split.draft_us, split.verify_us, split.sync_us, split.queue_us) == (300, 2000, 70, 110)
@@ -123,7 +123,7 @@ def test_round_split_counts_the_workers_handling_apart_from_the_transport():
 
 
 def test_round_split_in_process_has_no_handling():
-    verdict = Verdict(0, 9, 0, [], compute_us=1000)
+    verdict = Verdict(0, 9, 0, [], timing=WorkerTiming(1000))
     split = round_split(RoundResult(0, None, None, verdict, [9], verify_rtt_us=1000), wall_us=1100)
     assert split.handling_us == 0 and split.network_us == 0 and split.coordinator_us == 100
 
