@@ -34,6 +34,32 @@ inline float dot(const float* a, const float* b, int64_t d) {  // d a multiple o
     return hsum_f32(acc);
 }
 
+// out[p] = dot(q, keys + p * d, d) for 8 keys at once: each key's products in dot's own order (the same bits), in
+// 8 independent chains, so that their fused multiply-adds overlap instead of each waiting on the one before, and
+// each 8 floats of q loaded once for the 8 keys.
+inline void dot8(const float* q, const float* keys, int64_t d, float* out) {
+    __m256 acc[8];
+    for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 x = _mm256_loadu_ps(q + i);
+        for (int p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(x, _mm256_loadu_ps(keys + p * d + i), acc[p]);
+    }
+    for (int p = 0; p < 8; ++p) out[p] = hsum_f32(acc[p]);
+}
+
+// o[8 * t ..] = inv * sum over j < seen of w[j] * value[j * dim + 8 * t ..] for t < N: N vectors of a row's
+// weighted sum of values, each summed over the positions in their order (fused multiply-adds), N in registers.
+template <int N>
+inline void weighted_values(const float* w, const float* value, int64_t seen, int64_t dim, __m256 inv, float* o) {
+    __m256 acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < seen; ++j) {
+        const __m256 x = _mm256_set1_ps(w[j]);
+        for (int t = 0; t < N; ++t) acc[t] = _mm256_fmadd_ps(x, _mm256_loadu_ps(value + j * dim + 8 * t), acc[t]);
+    }
+    for (int t = 0; t < N; ++t) _mm256_storeu_ps(o + 8 * t, _mm256_mul_ps(acc[t], inv));
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
     TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be contiguous float32");
 }
@@ -150,9 +176,12 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
             const float* qr = qs + (r * heads + h) * dim;
             const float* key = key_base[s] + ((h / group) * capacity[s] + first) * dim;
             const float* value = value_base[s] + ((h / group) * capacity[s] + first) * dim;
+            int64_t j = 0;
+            for (; j + 8 <= seen; j += 8) dot8(qr, key + j * dim, dim, &score[j]);
+            for (; j < seen; ++j) score[j] = dot(qr, key + j * dim, dim);
             float top = -INFINITY;
-            for (int64_t j = 0; j < seen; ++j) {
-                score[j] = dot(qr, key + j * dim, dim) * (float)scale;
+            for (j = 0; j < seen; ++j) {
+                score[j] = score[j] * (float)scale;
                 if (softcap > 0) score[j] = (float)softcap * std::tanh(score[j] / (float)softcap);
                 top = std::max(top, score[j]);
             }
@@ -163,16 +192,13 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                 _mm256_storeu_ps(&score[j], e);
                 total = _mm256_add_ps(total, e);
             }
-            __m256 acc[32];
-            const int64_t lanes = dim / 8;
-            for (int64_t i = 0; i < lanes; ++i) acc[i] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < seen; ++j) {
-                const __m256 w = _mm256_set1_ps(score[j]);
-                for (int64_t i = 0; i < lanes; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + j * dim + 8 * i), acc[i]);
-            }
+            // The weighted sum of values in slices of 64 of the head's dimensions (8 vectors in registers, AVX2
+            // having 16), each over all positions: every lane's sum runs over the positions in order as before.
             const __m256 inv = _mm256_set1_ps(1.f / hsum_f32(total));
             float* o = os + r * heads * dim + h * dim;
-            for (int64_t i = 0; i < lanes; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[i], inv));
+            int64_t i = 0;
+            for (; i + 64 <= dim; i += 64) weighted_values<8>(score.data(), value + i, seen, dim, inv, o + i);
+            for (; i < dim; i += 8) weighted_values<1>(score.data(), value + i, seen, dim, inv, o + i);
         }
     });
     return out;

@@ -194,6 +194,11 @@ bool cpu_has_amx() {
 // at 256; its 1536 x 8960 Q6_K block 1.0x at 16, 0.5x at 256).
 constexpr int64_t kAmxMinRows = 16;
 
+// Q4_K's VNNI column tiles in Totals serve passes from this many rows, where they are measured faster than the
+// row kernels (docs/engines.md): 2 below AMX's passes on a Xeon, 12 on VNNI machines without AMX (a Zen 4), whose
+// row kernels stay ahead for a few rows.
+int64_t vnni_column_min_rows(bool amx) { return amx ? 2 : 12; }
+
 enum class Isa { avx2, vnni, amx };
 Isa isa_in_use = cpu_has_amx() ? Isa::amx : cpu_has_vnni() ? Isa::vnni : Isa::avx2;
 // Totals where the fastest kernels yield whole superblock totals: AMX's tiles, and AVX2's column tiles on machines
@@ -233,7 +238,8 @@ struct FormatKernels {
     KernelFn<W> pick(int64_t rows) const {
         if (isa_in_use == Isa::amx && amx && rows >= kAmxMinRows) return amx;
         if (isa_in_use == Isa::avx2 && totals_in_use && column_tiles && avx2_columns) return avx2_columns;
-        if (isa_in_use != Isa::avx2 && totals_in_use && column_tiles && vnni_columns && rows >= 2) return vnni_columns;
+        if (isa_in_use != Isa::avx2 && totals_in_use && column_tiles && vnni_columns && rows >= vnni_column_min_rows(isa_in_use == Isa::amx))
+            return vnni_columns;
         if (isa_in_use == Isa::avx2) return totals_in_use ? avx2_totals : avx2_lanes;
         return totals_in_use ? vnni_totals : vnni_lanes;
     }

@@ -70,17 +70,26 @@ def import_built(build: Path):
 # The float numerics each instruction set computes Q4_K and Q6_K in by default (kernels.cpp): a machine pinned to
 # a lesser instruction set computes the bits a machine of that kind computes.
 ISA_NUMERICS = {"avx2": "totals", "vnni": "lanes", "amx": "totals"}
+NUMERICS = ("lanes", "totals")
 
 
 def pin_isa(module) -> None:
     """SPECDEC_KERNEL_ISA (avx2, vnni or amx): run the kernels on that instruction set, in its numerics, instead of
-    the best this CPU has (e.g. so that a Zen 4 computes the same bits as the AVX2 and AMX machines of a fleet)."""
-    isa = os.environ.get("SPECDEC_KERNEL_ISA")
+    the best this CPU has. SPECDEC_KERNEL_NUMERICS (lanes or totals): compute in those numerics, on the pinned
+    instruction set or this CPU's own. Either makes a Zen 4 compute the same bits as the AVX2 and AMX machines of a
+    fleet, SPECDEC_KERNEL_NUMERICS=totals on its own VNNI kernels (with the column tiles for prefill)."""
+    isa, numerics = os.environ.get("SPECDEC_KERNEL_ISA"), os.environ.get("SPECDEC_KERNEL_NUMERICS")
+    if isa and isa not in ISA_NUMERICS:
+        raise RuntimeError(f"SPECDEC_KERNEL_ISA must be one of {', '.join(ISA_NUMERICS)}, not {isa!r}")
+    if numerics and numerics not in NUMERICS:
+        raise RuntimeError(f"SPECDEC_KERNEL_NUMERICS must be one of {', '.join(NUMERICS)}, not {numerics!r}")
+    isa = isa or (module.isa() if numerics else None)
     if not isa:
         return
-    if isa not in ISA_NUMERICS:
-        raise RuntimeError(f"SPECDEC_KERNEL_ISA must be one of {', '.join(ISA_NUMERICS)}, not {isa!r}")
-    use_kernels(module, isa, ISA_NUMERICS[isa])
+    numerics = numerics or ISA_NUMERICS[isa]
+    if isa == "amx" and numerics != "totals":
+        raise RuntimeError("SPECDEC_KERNEL_NUMERICS=lanes: AMX computes in totals; set SPECDEC_KERNEL_ISA=vnni with it")
+    use_kernels(module, isa, numerics)
 
 
 def use_kernels(module, isa: str, numerics: str) -> None:
@@ -92,7 +101,7 @@ def use_kernels(module, isa: str, numerics: str) -> None:
 
 @functools.cache
 def kernels():
-    """The compiled module (built on first use), on the instruction set SPECDEC_KERNEL_ISA pins, if any."""
+    """The compiled module (built on first use), on the instruction set and numerics the environment pins, if any."""
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(f"the gguf kernels cannot run here: {reason}")

@@ -558,6 +558,40 @@ def test_specdec_kernel_isa_pins_the_instruction_set_and_its_numerics():
     assert refused.returncode != 0 and "SPECDEC_KERNEL_ISA must be one of avx2, vnni, amx, not 'sse2'" in refused.stderr
 
 
+def test_specdec_kernel_numerics_pins_the_numerics_on_this_cpus_own_instruction_set():
+    """SPECDEC_KERNEL_NUMERICS=totals computes the AVX2 and AMX machines' bits on this CPU's own kernels, and a
+    value it does not know is refused by the variable's name."""
+    code = "from specdec.common.quantized.kernels import kernels; k = kernels(); print(k.isa(), k.numerics())"
+    own = kernels().isa()
+    env = {**os.environ, "SPECDEC_KERNEL_NUMERICS": "totals"}
+    env.pop("SPECDEC_KERNEL_ISA", None)
+    pinned = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert pinned.stdout.split() == [own, "totals"]
+    env["SPECDEC_KERNEL_NUMERICS"] = "exact"
+    refused = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert refused.returncode != 0 and "SPECDEC_KERNEL_NUMERICS must be one of lanes, totals, not 'exact'" in refused.stderr
+
+
+def test_on_vnni_without_amx_in_totals_q4_k_passes_of_12_rows_or_more_run_on_column_tiles_with_the_same_bits():
+    """A VNNI machine without AMX pinned to totals (SPECDEC_KERNEL_NUMERICS) keeps Q4_K's passes of up to 11 rows
+    on its row kernels and runs more on the VNNI column tiles: each row's bits are the AVX2 tiles' and its own
+    alone."""
+    ops = kernels()
+    if "vnni" not in isas_of_this_cpu("totals"):
+        pytest.skip("this CPU lacks AVX512-VNNI")
+    layer = QuantizedLinear(random_k_quant("Q4_K", 37, 2048, seed=12))
+    x = torch.randn(20, 2048, generator=torch.Generator().manual_seed(13))
+    with kernel_settings("vnni", "totals"):
+        assert [ops.product_kernel("q4k", rows) for rows in (1, 2, 11, 12, 20)] == ["vnni rows"] * 3 + ["vnni columns"] * 2
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
+        results = {rows: layer(x[:rows]) for rows in (2, 11, 12, 13, 16, 20)}
+    with kernel_settings("avx2", "totals"):
+        for rows, result in results.items():
+            assert torch.equal(result, layer(x[:rows])), f"{rows} rows"
+    for rows, result in results.items():
+        assert torch.equal(result, alone[:rows]), f"{rows} rows"
+
+
 def test_with_amx_q4_k_passes_below_the_tiles_run_on_vnni_column_tiles_with_the_same_bits():
     """Where AMX runs the totals numerics, Q4_K's passes of 2-15 rows go to the column tiles in their VNNI form
     (dpbusd): each row's bits are the AVX2 tiles' and its own alone."""

@@ -59,6 +59,53 @@ def test_attention_over_several_sessions_matches_causal_sdpa_on_each_and_appends
         row += n
 
 
+@pytest.mark.parametrize("dim", [64, 72, 128, 256])
+def test_a_query_rows_attention_is_bit_identical_in_a_pass_of_any_length_and_matches_sdpa(dim):
+    """Scores in blocks of 8 positions and values in slices of 64 dimensions (with what is left of either) give
+    every row the bits it gets alone as a one-token step at its position: a prefill of 45 rows, one row at a time,
+    and rows beside another session all agree; every context length 1..45 crosses the blocks' edges."""
+    heads, kv_heads, rows = 4, 2, 45
+    q, k, v = torch.randn(rows, heads, dim), torch.randn(rows, kv_heads, dim), torch.randn(rows, kv_heads, dim)
+
+    def cache():
+        return torch.zeros(1, kv_heads, rows, dim), torch.zeros(1, kv_heads, rows, dim)
+
+    keys, values = cache()
+    prefill = kernels().attend_sessions(q, k, v, [keys], [values], [0], [rows], dim**-0.5, 0, 0.0)
+    keys, values = cache()
+    steps = torch.cat(
+        [
+            kernels().attend_sessions(q[i : i + 1], k[i : i + 1], v[i : i + 1], [keys], [values], [i], [1], dim**-0.5, 0, 0.0)
+            for i in range(rows)
+        ]
+    )
+    assert torch.equal(prefill, steps)
+    (keys, values), (other_keys, other_values) = cache(), cache()
+    beside = kernels().attend_sessions(
+        torch.cat([q[:7], q[:20]]),
+        torch.cat([k[:7], k[:20]]),
+        torch.cat([v[:7], v[:20]]),
+        [other_keys, keys],
+        [other_values, values],
+        [0, 0],
+        [7, 20],
+        dim**-0.5,
+        0,
+        0.0,
+    )
+    assert torch.equal(beside[7:], prefill[:20])
+    mask = torch.arange(rows)[None, :] <= torch.arange(rows)[:, None]
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].double(),
+        k.transpose(0, 1)[None].double(),
+        v.transpose(0, 1)[None].double(),
+        attn_mask=mask,
+        scale=dim**-0.5,
+        enable_gqa=True,
+    )
+    assert torch.allclose(prefill.double(), expected[0].transpose(0, 1).reshape(rows, heads * dim), atol=2e-6)
+
+
 def test_sliding_window_attention_with_soft_capped_scores_matches_its_definition_on_each_session():
     """A sliding-window layer's row at position p sees positions p - window + 1 .. p (transformers' sliding window
     mask), its scores soft-capped (cap * tanh(score / cap)) before the softmax; sessions start before and past the
