@@ -131,8 +131,8 @@ struct Q80 { const int8_t* codes; const float* d; int64_t k; };
 #include "decoder_ops.h"
 
 // The two float numerics of Q4_K and Q6_K (kernel_rows.h explains them): Totals where AMX or AVX2's tiles run the
-// products, Lanes on VNNI machines without AMX. One process computes in one of them (totals_in_use), whatever the
-// instruction set and row count.
+// products, Lanes on VNNI machines without AMX unless a process asks for Totals. One process computes in one of
+// them (totals_in_use), whatever the instruction set and row count.
 struct Lanes {};
 struct Totals {};
 
@@ -202,7 +202,8 @@ int64_t vnni_column_min_rows(bool amx) { return amx ? 2 : 12; }
 enum class Isa { avx2, vnni, amx };
 Isa isa_in_use = cpu_has_amx() ? Isa::amx : cpu_has_vnni() ? Isa::vnni : Isa::avx2;
 // Totals where the fastest kernels yield whole superblock totals: AMX's tiles, and AVX2's column tiles on machines
-// without AVX512-VNNI. Lanes on VNNI machines without AMX, whose row kernels it costs less (docs/engines.md).
+// without AVX512-VNNI. Lanes on VNNI machines without AMX, whose row kernels it costs less for a step and a few
+// rows, and whose serving path ran faster in it (docs/engines.md).
 bool totals_in_use = isa_in_use != Isa::vnni;
 
 std::string isa() { return isa_in_use == Isa::amx ? "amx" : isa_in_use == Isa::vnni ? "vnni" : "avx2"; }

@@ -75,17 +75,17 @@ NUMERICS = ("lanes", "totals")
 
 def pin_isa(module) -> None:
     """SPECDEC_KERNEL_ISA (avx2, vnni or amx): run the kernels on that instruction set, in its numerics, instead of
-    the best this CPU has. SPECDEC_KERNEL_NUMERICS (lanes or totals): compute in those numerics, on the pinned
-    instruction set or this CPU's own. Either makes a Zen 4 compute the same bits as the AVX2 and AMX machines of a
-    fleet, SPECDEC_KERNEL_NUMERICS=totals on its own VNNI kernels (with the column tiles for prefill)."""
+    the best this CPU has. SPECDEC_KERNEL_NUMERICS (lanes or totals): compute Q4_K and Q6_K in those numerics, on
+    the pinned instruction set or this CPU's own. A VNNI machine without AMX in totals computes the same bits as
+    the AVX2 and AMX machines of a fleet, and its prefill on the VNNI column tiles (docs/engines.md)."""
     isa, numerics = os.environ.get("SPECDEC_KERNEL_ISA"), os.environ.get("SPECDEC_KERNEL_NUMERICS")
     if isa and isa not in ISA_NUMERICS:
         raise RuntimeError(f"SPECDEC_KERNEL_ISA must be one of {', '.join(ISA_NUMERICS)}, not {isa!r}")
     if numerics and numerics not in NUMERICS:
         raise RuntimeError(f"SPECDEC_KERNEL_NUMERICS must be one of {', '.join(NUMERICS)}, not {numerics!r}")
-    isa = isa or (module.isa() if numerics else None)
-    if not isa:
+    if not (isa or numerics):
         return
+    isa = isa or module.isa()
     numerics = numerics or ISA_NUMERICS[isa]
     if isa == "amx" and numerics != "totals":
         raise RuntimeError("SPECDEC_KERNEL_NUMERICS=lanes: AMX computes in totals; set SPECDEC_KERNEL_ISA=vnni with it")

@@ -549,7 +549,7 @@ def test_avx2_k_quant_tiles_give_the_row_kernels_bits_at_every_row_count(qtype, 
 def test_specdec_kernel_isa_pins_the_instruction_set_and_its_numerics():
     """SPECDEC_KERNEL_ISA runs the kernels as a machine of that kind would (AVX2: the totals numerics), and a value
     it does not know is refused by the variable's name."""
-    code = "from common.quantized.kernels import kernels; k = kernels(); print(k.isa(), k.numerics())"
+    code = "from specdec.common.quantized.kernels import kernels; k = kernels(); print(k.isa(), k.numerics())"
     env = {**os.environ, "SPECDEC_KERNEL_ISA": "avx2"}
     pinned = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert pinned.stdout.split() == ["avx2", "totals"]
@@ -559,23 +559,29 @@ def test_specdec_kernel_isa_pins_the_instruction_set_and_its_numerics():
 
 
 def test_specdec_kernel_numerics_pins_the_numerics_on_this_cpus_own_instruction_set():
-    """SPECDEC_KERNEL_NUMERICS=totals computes the AVX2 and AMX machines' bits on this CPU's own kernels, and a
-    value it does not know is refused by the variable's name."""
+    """SPECDEC_KERNEL_NUMERICS computes in the numerics it names on this CPU's own kernels (lanes with AMX only
+    beside SPECDEC_KERNEL_ISA=vnni), and a value it does not know is refused by the variable's name."""
     code = "from specdec.common.quantized.kernels import kernels; k = kernels(); print(k.isa(), k.numerics())"
-    own = kernels().isa()
-    env = {**os.environ, "SPECDEC_KERNEL_NUMERICS": "totals"}
-    env.pop("SPECDEC_KERNEL_ISA", None)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_KERNEL_")}
+    own = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    isa, numerics = own.stdout.split()
+    assert numerics == ("lanes" if isa == "vnni" else "totals")
+    other = "totals" if numerics == "lanes" else "lanes"
+    env["SPECDEC_KERNEL_NUMERICS"] = other
+    if isa == "amx":
+        refused = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert refused.returncode != 0 and "AMX computes in totals; set SPECDEC_KERNEL_ISA=vnni" in refused.stderr
+        env["SPECDEC_KERNEL_ISA"] = isa = "vnni"
     pinned = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert pinned.stdout.split() == [own, "totals"]
+    assert pinned.stdout.split() == [isa, other]
     env["SPECDEC_KERNEL_NUMERICS"] = "exact"
     refused = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert refused.returncode != 0 and "SPECDEC_KERNEL_NUMERICS must be one of lanes, totals, not 'exact'" in refused.stderr
 
 
 def test_on_vnni_without_amx_in_totals_q4_k_passes_of_12_rows_or_more_run_on_column_tiles_with_the_same_bits():
-    """A VNNI machine without AMX pinned to totals (SPECDEC_KERNEL_NUMERICS) keeps Q4_K's passes of up to 11 rows
-    on its row kernels and runs more on the VNNI column tiles: each row's bits are the AVX2 tiles' and its own
-    alone."""
+    """A VNNI machine without AMX in totals (SPECDEC_KERNEL_NUMERICS) keeps Q4_K's passes of up to 11 rows on its
+    row kernels and runs more on the VNNI column tiles: each row's bits are the AVX2 tiles' and its own alone."""
     ops = kernels()
     if "vnni" not in isas_of_this_cpu("totals"):
         pytest.skip("this CPU lacks AVX512-VNNI")
