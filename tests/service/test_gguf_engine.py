@@ -579,6 +579,16 @@ def test_specdec_kernel_numerics_pins_the_numerics_on_this_cpus_own_instruction_
     assert refused.returncode != 0 and "SPECDEC_KERNEL_NUMERICS must be one of lanes, totals, not 'exact'" in refused.stderr
 
 
+def assert_the_avx2_tiles_bits_and_each_rows_own(layer, x, results: dict, alone: torch.Tensor) -> None:
+    """Each pass's result (results[rows], over x[:rows]) is what the AVX2 column tiles compute for it, in totals,
+    and each of its rows is that row's result alone."""
+    with kernel_settings("avx2", "totals"):
+        for rows, result in results.items():
+            assert torch.equal(result, layer(x[:rows])), f"{rows} rows"
+    for rows, result in results.items():
+        assert torch.equal(result, alone[:rows]), f"{rows} rows"
+
+
 def test_on_vnni_without_amx_in_totals_q4_k_passes_of_12_rows_or_more_run_on_column_tiles_with_the_same_bits():
     """A VNNI machine without AMX in totals (SPECDEC_KERNEL_NUMERICS) keeps Q4_K's passes of up to 11 rows on its
     row kernels and runs more on the VNNI column tiles: each row's bits are the AVX2 tiles' and its own alone."""
@@ -591,11 +601,7 @@ def test_on_vnni_without_amx_in_totals_q4_k_passes_of_12_rows_or_more_run_on_col
         assert [ops.product_kernel("q4k", rows) for rows in (1, 2, 11, 12, 20)] == ["vnni rows"] * 3 + ["vnni columns"] * 2
         alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
         results = {rows: layer(x[:rows]) for rows in (2, 11, 12, 13, 16, 20)}
-    with kernel_settings("avx2", "totals"):
-        for rows, result in results.items():
-            assert torch.equal(result, layer(x[:rows])), f"{rows} rows"
-    for rows, result in results.items():
-        assert torch.equal(result, alone[:rows]), f"{rows} rows"
+    assert_the_avx2_tiles_bits_and_each_rows_own(layer, x, results, alone)
 
 
 def test_with_amx_q4_k_passes_below_the_tiles_run_on_vnni_column_tiles_with_the_same_bits():
@@ -609,8 +615,4 @@ def test_with_amx_q4_k_passes_below_the_tiles_run_on_vnni_column_tiles_with_the_
     assert [ops.product_kernel("q4k", rows) for rows in (1, 2, 15, 16)] == ["vnni rows", "vnni columns", "vnni columns", "amx"]
     alone = torch.cat([layer(x[i : i + 1]) for i in range(15)])
     results = {rows: layer(x[:rows]) for rows in (2, 3, 4, 5, 9, 15)}
-    with kernel_settings("avx2", "totals"):
-        for rows, result in results.items():
-            assert torch.equal(result, layer(x[:rows])), f"{rows} rows"
-    for rows, result in results.items():
-        assert torch.equal(result, alone[:rows]), f"{rows} rows"
+    assert_the_avx2_tiles_bits_and_each_rows_own(layer, x, results, alone)
