@@ -84,30 +84,33 @@ inline void gather_columns(const float* v, int64_t groups, const int64_t* col, f
 // group 2c + 1 in the high one) for the tile's columns col[0..7] (the last tile of a call repeats its last column
 // where it has fewer than 8), transposed: int32 lane i of r[j] holds bytes 4j..4j+3 of column i, whose low nibbles
 // are then group 2c's weights 4j..4j+3 and whose high ones group 2c + 1's. The next tile's lines are prefetched.
-// Q4_K packs its codes the same way (nibble_codes, for either format).
+// Q4_K packs its codes the same way (nibble_codes, for either format). kHint: the cache the prefetches fill.
+template <_mm_hint kHint = _MM_HINT_T0>
 SPECDEC_INLINE void nibble_codes(const uint8_t* codes, int64_t k, const int64_t* col, int64_t c, __m256i r[8]) {
     const int64_t bytes = k / 2;
     for (int i = 0; i < 8; ++i) {
         r[i] = _mm256_loadu_si256((const __m256i*)(codes + col[i] * bytes + c * 32));
-        if (!(c & 1)) _mm_prefetch((const char*)(codes + (col[i] + kColumns) * bytes + c * 32), _MM_HINT_T0);
+        if (!(c & 1)) _mm_prefetch((const char*)(codes + (col[i] + kColumns) * bytes + c * 32), kHint);
     }
     transpose8x8(r);
 }
 
+// Q4_1's, Q8_0's and Q5_0's next tile is prefetched into L2, not L1: a step of these formats does little work per
+// byte, and prefetches into L1 held it to about 0.6x of the memory's bandwidth (docs/engines.md).
 SPECDEC_INLINE void q41_codes(const Q41& w, const int64_t* col, int64_t c, __m256i r[8]) {
     const int64_t groups = w.k / 32;
-    _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T0);
-    _mm_prefetch((const char*)(w.m + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T0);
-    nibble_codes(w.codes, w.k, col, c, r);
+    _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T1);
+    _mm_prefetch((const char*)(w.m + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T1);
+    nibble_codes<_MM_HINT_T1>(w.codes, w.k, col, c, r);
 }
 
-// Q8_0's and Q5_0's int8 codes of group g, transposed as q41_codes's.
+// Q8_0's and Q5_0's int8 codes of group g, transposed and prefetched as q41_codes's.
 SPECDEC_INLINE void q80_codes(const Q80& w, const int64_t* col, int64_t g, __m256i r[8]) {
     for (int i = 0; i < 8; ++i) {
         r[i] = _mm256_loadu_si256((const __m256i*)(w.codes + col[i] * w.k + g * 32));
-        if (!(g & 1)) _mm_prefetch((const char*)(w.codes + (col[i] + kColumns) * w.k + g * 32), _MM_HINT_T0);
+        if (!(g & 1)) _mm_prefetch((const char*)(w.codes + (col[i] + kColumns) * w.k + g * 32), _MM_HINT_T1);
     }
-    if (!(g & 3)) _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * (w.k / 32)) + g * 16, _MM_HINT_T0);
+    if (!(g & 3)) _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * (w.k / 32)) + g * 16, _MM_HINT_T1);
     transpose8x8(r);
 }
 
