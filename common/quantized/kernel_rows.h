@@ -27,7 +27,8 @@ struct RowTile {
 // every kernel that runs it:
 //   Lanes   each superblock's 8 int32 lanes (the partial sums the 256-bit products leave) converted and added
 //           into 8 float lanes per row, one fused multiply-add each; the lanes summed once at the end. No
-//           horizontal work per superblock: the cheapest on the row kernels, VNNI machines' without AMX.
+//           horizontal work per superblock: the cheapest on the row kernels; the numerics of VNNI machines
+//           without AMX.
 //   Totals  each superblock's integer sums reduced to one int32 per row first (exact in any order), then one
 //           fused multiply-add per row and superblock, acc = total * (d * the row's activation scale) + acc, in the
 //           order of the superblocks; a tile's rows in one vector, a row per lane. AMX's tile products yield whole

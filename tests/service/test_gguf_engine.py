@@ -546,36 +546,43 @@ def test_avx2_k_quant_tiles_give_the_row_kernels_bits_at_every_row_count(qtype, 
     assert not torch.equal(alone[0], alone[1])
 
 
+def kernels_in_a_process(env: dict) -> subprocess.CompletedProcess:
+    """A fresh process that loads the kernels under env and prints their instruction set and numerics."""
+    code = "from specdec.common.quantized.kernels import kernels; k = kernels(); print(k.isa(), k.numerics())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
 def test_specdec_kernel_isa_pins_the_instruction_set_and_its_numerics():
     """SPECDEC_KERNEL_ISA runs the kernels as a machine of that kind would (AVX2: the totals numerics), and a value
     it does not know is refused by the variable's name."""
-    code = "from specdec.common.quantized.kernels import kernels; k = kernels(); print(k.isa(), k.numerics())"
     env = {**os.environ, "SPECDEC_KERNEL_ISA": "avx2"}
-    pinned = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    pinned = kernels_in_a_process(env)
+    assert pinned.returncode == 0, pinned.stderr
     assert pinned.stdout.split() == ["avx2", "totals"]
     env["SPECDEC_KERNEL_ISA"] = "sse2"
-    refused = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    refused = kernels_in_a_process(env)
     assert refused.returncode != 0 and "SPECDEC_KERNEL_ISA must be one of avx2, vnni, amx, not 'sse2'" in refused.stderr
 
 
 def test_specdec_kernel_numerics_pins_the_numerics_on_this_cpus_own_instruction_set():
     """SPECDEC_KERNEL_NUMERICS computes in the numerics it names on this CPU's own kernels (lanes with AMX only
     beside SPECDEC_KERNEL_ISA=vnni), and a value it does not know is refused by the variable's name."""
-    code = "from specdec.common.quantized.kernels import kernels; k = kernels(); print(k.isa(), k.numerics())"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_KERNEL_")}
-    own = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    own = kernels_in_a_process(env)
+    assert own.returncode == 0, own.stderr
     isa, numerics = own.stdout.split()
     assert numerics == ("lanes" if isa == "vnni" else "totals")
     other = "totals" if numerics == "lanes" else "lanes"
     env["SPECDEC_KERNEL_NUMERICS"] = other
     if isa == "amx":
-        refused = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        refused = kernels_in_a_process(env)
         assert refused.returncode != 0 and "AMX computes in totals; set SPECDEC_KERNEL_ISA=vnni" in refused.stderr
         env["SPECDEC_KERNEL_ISA"] = isa = "vnni"
-    pinned = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    pinned = kernels_in_a_process(env)
+    assert pinned.returncode == 0, pinned.stderr
     assert pinned.stdout.split() == [isa, other]
     env["SPECDEC_KERNEL_NUMERICS"] = "exact"
-    refused = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    refused = kernels_in_a_process(env)
     assert refused.returncode != 0 and "SPECDEC_KERNEL_NUMERICS must be one of lanes, totals, not 'exact'" in refused.stderr
 
 
