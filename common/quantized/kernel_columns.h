@@ -182,6 +182,12 @@ inline void store_columns(const __m256* acc, float** out, int64_t first, int64_t
     }
 }
 
+// With VNNI, tiles of kDpbusdRows rows or more take each column's exact group total t from 8 dpbusd (column i's 4
+// products of codes(j) into int32 lane i) instead of the maddubs, int16 adds and madd below: the same integer,
+// so the same bits, in half the instructions. Tiles of one or two rows were no faster with it (measured,
+// docs/results/2026-12-07-dpbusd-in-column-tiles.md) and keep the instructions AVX2 runs.
+constexpr int kDpbusdRows = 3;
+
 // Q4_1, group g of R rows against one tile; codes(j): the group's weights 4j..4j+3 of each column, as bytes 0..15.
 // Per row r (lane i: column i):
 //   p      = sum over j < 8 of maddubs(codes(j), q[4j..4j+3] broadcast)   16 int16: column i's products in lanes
@@ -195,18 +201,27 @@ template <int R, class Codes>
 SPECDEC_INLINE void q41_group(Codes codes, const ColumnTile& t, const GroupRows<R>& x, int64_t g, __m256* acc) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i p[R];
-    {
-        const __m256i v = codes(0);
-        for (int r = 0; r < R; ++r) p[r] = _mm256_maddubs_epi16(v, broadcast4(x.q[r] + g * 32));
-    }
-    for (int j = 1; j < 8; ++j) {
-        const __m256i v = codes(j);
-        for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(v, broadcast4(x.q[r] + g * 32 + 4 * j)));
+    if constexpr (kDpbusd && R >= kDpbusdRows) {
+        for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+            const __m256i v = codes(j);
+            for (int r = 0; r < R; ++r) p[r] = dot4_add(p[r], v, broadcast4(x.q[r] + g * 32 + 4 * j));
+        }
+    } else {
+        {
+            const __m256i v = codes(0);
+            for (int r = 0; r < R; ++r) p[r] = _mm256_maddubs_epi16(v, broadcast4(x.q[r] + g * 32));
+        }
+        for (int j = 1; j < 8; ++j) {
+            const __m256i v = codes(j);
+            for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(v, broadcast4(x.q[r] + g * 32 + 4 * j)));
+        }
+        for (int r = 0; r < R; ++r) p[r] = _mm256_madd_epi16(p[r], ones);
     }
     const __m256 d = _mm256_loadu_ps(&t.d[g * kColumns]), m = _mm256_loadu_ps(&t.m[g * kColumns]);
     for (int r = 0; r < R; ++r) {
         const float as = x.scale[r][g];
-        const __m256 total = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[r], ones));
+        const __m256 total = _mm256_cvtepi32_ps(p[r]);
         acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(d, _mm256_set1_ps(as)), acc[r]);
         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sums[r][g]), acc[r]);
     }
@@ -224,16 +239,22 @@ SPECDEC_INLINE void q80_group(Magnitude magnitude, Codes codes, const ColumnTile
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i sum[R];
     for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+    constexpr bool dp = kDpbusd && R >= kDpbusdRows;
     for (int j = 0; j < 8; ++j) {
         const __m256i u = magnitude(j), s = codes(j);
         for (int r = 0; r < R; ++r) {
-            const __m256i p = _mm256_maddubs_epi16(u, _mm256_sign_epi8(broadcast4(x.q[r] + g * 32 + 4 * j), s));
+            const __m256i signed_q = _mm256_sign_epi8(broadcast4(x.q[r] + g * 32 + 4 * j), s);
+            if constexpr (dp) {
+                sum[r] = dot4_add(sum[r], u, signed_q);
+                continue;
+            }
+            const __m256i p = _mm256_maddubs_epi16(u, signed_q);
             sum[r] = kSmall ? _mm256_add_epi16(sum[r], p) : _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, ones));
         }
     }
     const __m256 d = _mm256_loadu_ps(&t.d[g * kColumns]);
     for (int r = 0; r < R; ++r) {
-        const __m256i total = kSmall ? _mm256_madd_epi16(sum[r], ones) : sum[r];
+        const __m256i total = kSmall && !dp ? _mm256_madd_epi16(sum[r], ones) : sum[r];
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r][g])), acc[r]);
     }
 }
