@@ -123,14 +123,13 @@ def as_q4_1(layer):
     """The layer's weights de-quantized and quantized again to Q4_1 (gguf's own quantizer), a slice of rows at a time."""
     from gguf import GGMLQuantizationType, quants
 
-    from specdec.common.quantized.formats import PackedWeight, dequantize, pack
+    from specdec.common.quantized.formats import dequantize, pack, rows_of
     from specdec.common.quantized.layers import QuantizedLinear
 
     rows, packed, parts = 8192, layer.packed, []
     for start in range(0, layer.out_features, rows):
         n = min(rows, layer.out_features - start)
-        tensors = tuple(t.reshape(layer.out_features, -1)[start : start + n] for t in packed.tensors)
-        weights = dequantize(PackedWeight(packed.kernel, n, layer.in_features, tensors)).float().numpy()
+        weights = dequantize(rows_of(packed, start, n)).float().numpy()
         parts.append(quants.quantize(weights, GGMLQuantizationType.Q4_1))
     raw = np.concatenate(parts)
     return QuantizedLinear(pack(raw, GGMLQuantizationType.Q4_1, layer.out_features, layer.in_features), layer.bias)

@@ -113,6 +113,59 @@ def nibbles_in_order(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
 
 
+# The kernels compute Q4_1, Q8_0 and Q5_0 in tiles of 8 output columns (kernel_columns.h), a column per vector lane:
+# their per-group scales (and Q4_1's minimums) are stored tile by tile, [tiles, groups, 8] (element [t, g, i] the
+# value of row 8t + i, group g; the last tile repeats the last row where n is not a multiple of 8), as the file's
+# float16, so that a tile reads each group's 8 scales as one 16-byte load. The other operands keep a row per row.
+TILE = 8
+TILED = {"q41": (False, True, True), "q80": (False, True)}  # per operand: stored tile by tile
+
+
+def tiled(v: np.ndarray) -> np.ndarray:
+    """Per-row values [n, groups] -> [tiles, groups, 8] (the last tile padded with the last row)."""
+    n = v.shape[0]
+    padded = np.concatenate([v, np.repeat(v[-1:], -n % TILE, axis=0)]) if n % TILE else v
+    return np.ascontiguousarray(padded.reshape(-1, TILE, v.shape[1]).transpose(0, 2, 1))
+
+
+def untiled(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[tiles, groups, 8] -> the per-row values [n, groups]."""
+    return t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n]
+
+
+def operand_rows(kernel: str, i: int) -> int:
+    """How many output rows one leading index of operand i stands for: 8 for a tiled operand, else 1."""
+    return TILE if TILED.get(kernel, ())[i : i + 1] == (True,) else 1
+
+
+def rows_of(weight: PackedWeight, start: int, n: int) -> PackedWeight:
+    """Rows start..start + n - 1 of a packed matrix (start a multiple of 8 where the format has tiled operands), as
+    views."""
+    tensors = []
+    for i, t in enumerate(weight.tensors):
+        unit = operand_rows(weight.kernel, i)
+        if start % unit:
+            raise ValueError(f"rows of {weight.kernel} start at a multiple of {unit}, not at {start}")
+        tensors.append(t[start // unit : -(-(start + n) // unit)])
+    return PackedWeight(weight.kernel, n, weight.in_features, tuple(tensors))
+
+
+def select_rows(weight: PackedWeight, rows: torch.Tensor) -> PackedWeight:
+    """Some output rows of a packed matrix, in the given order (a copy)."""
+    n, tensors = weight.out_features, []
+    for i, t in enumerate(weight.tensors):
+        if operand_rows(weight.kernel, i) == TILE:
+            tensors.append(torch.from_numpy(tiled(untiled(t, n)[rows].numpy())))
+        else:
+            tensors.append(t.reshape(n, -1)[rows].contiguous())
+    return PackedWeight(weight.kernel, len(rows), weight.in_features, tuple(tensors))
+
+
+def fp16_bits(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 bytes [..., 2] as float16 values [...] (kept as the file has them)."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
+
+
 def pack_q4_1(raw: np.ndarray, n: int, k: int) -> PackedWeight:
     if k % 64:
         raise UnsupportedFormat(f"Q4_1 rows of {k} values (the kernel needs a multiple of 64)")
@@ -122,14 +175,18 @@ def pack_q4_1(raw: np.ndarray, n: int, k: int) -> PackedWeight:
         "q41",
         n,
         k,
-        (torch.from_numpy(interleave_nibbles(codes)), torch.from_numpy(fp16(b[..., 0:2])), torch.from_numpy(fp16(b[..., 2:4]))),
+        (
+            torch.from_numpy(interleave_nibbles(codes)),
+            torch.from_numpy(tiled(fp16_bits(b[..., 0:2]))),
+            torch.from_numpy(tiled(fp16_bits(b[..., 2:4]))),
+        ),
     )
 
 
 def pack_q8_0(raw: np.ndarray, n: int, k: int) -> PackedWeight:
     b = blocks(raw, n, 34)  # d fp16, qs[32] (int8)
     codes = np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k)
-    return PackedWeight("q80", n, k, (torch.from_numpy(codes), torch.from_numpy(fp16(b[..., 0:2]))))
+    return PackedWeight("q80", n, k, (torch.from_numpy(codes), torch.from_numpy(tiled(fp16_bits(b[..., 0:2])))))
 
 
 def q5_0_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -141,7 +198,7 @@ def q5_0_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 def pack_q5_0(raw: np.ndarray, n: int, k: int) -> PackedWeight:
     b = blocks(raw, n, 22)  # d fp16, qh[4], qs[16]
     codes = q5_0_codes(b[..., 2:6], b[..., 6:22]).astype(np.int8).reshape(n, k)
-    return PackedWeight("q80", n, k, (torch.from_numpy(codes), torch.from_numpy(fp16(b[..., 0:2]))))
+    return PackedWeight("q80", n, k, (torch.from_numpy(codes), torch.from_numpy(tiled(fp16_bits(b[..., 0:2])))))
 
 
 PACKERS = {Q.Q4_K: pack_q4_k, Q.Q6_K: pack_q6_k, Q.Q4_1: pack_q4_1, Q.Q8_0: pack_q8_0, Q.Q5_0: pack_q5_0}
@@ -175,9 +232,9 @@ def dequantize(weight: PackedWeight) -> torch.Tensor:
         scale = d.repeat_interleave(16, dim=1) * sc
         return ((codes.reshape(n, k // 16, 16) - 32).double() * scale[..., None]).reshape(n, k)
     if weight.kernel == "q41":
-        codes, d, m = t
+        codes, d, m = t[0], untiled(t[1], n), untiled(t[2], n)
         low, high = codes.reshape(n, k // 64, 32) & 0xF, codes.reshape(n, k // 64, 32) >> 4
         q = torch.stack([low, high], dim=2).reshape(n, k // 32, 32).double()
         return (q * d[..., None] + m[..., None]).reshape(n, k)
-    codes, d = t
+    codes, d = t[0], untiled(t[1], n)
     return (codes.reshape(n, k // 32, 32).double() * d[..., None]).reshape(n, k)

@@ -55,8 +55,9 @@ inline __m256i broadcast4(const int8_t* p) {
 struct ColumnTile {
     int64_t groups;
     std::vector<__m256i> codes;  // Q4_1: [group][j], 8 per group; Q8_0/Q5_0: [group][magnitudes j | codes j], 16
-    std::vector<float> d, m;     // [group][column]: the scales (and Q4_1's minimums) of the tile's columns;
-                                 // Q4_K: [superblock][column], d and dmin
+    std::vector<float> d, m;     // Q4_K: [superblock][column], d and dmin of the tile's columns; Q6_K: d
+    const uint16_t* d_tile = nullptr;  // Q4_1, Q8_0, Q5_0: the tile's scales (and Q4_1's minimums) in the weight,
+    const uint16_t* m_tile = nullptr;  // [group][column] float16
     std::vector<__m256i> scales; // Q4_K: [superblock][12], q4k_scales's sub-block scales and minimums
     bool small = false;          // Q8_0/Q5_0: every |code| <= 16 (Q5_0 always): the int16 sums cannot overflow
     const float* scaled_sums = nullptr;  // Q4_1: as_g * float(s_g) of every row and group of the call, [row][group]
@@ -99,8 +100,10 @@ SPECDEC_INLINE void nibble_codes(const uint8_t* codes, int64_t k, const int64_t*
 // byte, and prefetches into L1 held it to about 0.6x of the memory's bandwidth (docs/engines.md).
 SPECDEC_INLINE void q41_codes(const Q41& w, const int64_t* col, int64_t c, __m256i r[8]) {
     const int64_t groups = w.k / 32;
-    _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T1);
-    _mm_prefetch((const char*)(w.m + (col[0] + kColumns) * groups) + c * 64, _MM_HINT_T1);
+    if (!(c & 1)) {  // the next tile's 16 * groups bytes of each, a line per 2 calls
+        _mm_prefetch((const char*)(w.d_tiles + (col[0] + kColumns) * groups) + c * 32, _MM_HINT_T1);
+        _mm_prefetch((const char*)(w.m_tiles + (col[0] + kColumns) * groups) + c * 32, _MM_HINT_T1);
+    }
     nibble_codes<_MM_HINT_T1>(w.codes, w.k, col, c, r);
 }
 
@@ -110,7 +113,7 @@ SPECDEC_INLINE void q80_codes(const Q80& w, const int64_t* col, int64_t g, __m25
         r[i] = _mm256_loadu_si256((const __m256i*)(w.codes + col[i] * w.k + g * 32));
         if (!(g & 1)) _mm_prefetch((const char*)(w.codes + (col[i] + kColumns) * w.k + g * 32), _MM_HINT_T1);
     }
-    if (!(g & 3)) _mm_prefetch((const char*)(w.d + (col[0] + kColumns) * (w.k / 32)) + g * 16, _MM_HINT_T1);
+    if (!(g & 3)) _mm_prefetch((const char*)(w.d_tiles + (col[0] + kColumns) * (w.k / 32)) + g * 16, _MM_HINT_T1);
     transpose8x8(r);
 }
 
@@ -150,11 +153,18 @@ inline void unpack_q80(const Q80& w, const int64_t* col, ColumnTile& t) {
     t.small = _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_min_epu8(largest, _mm256_set1_epi8(16)), largest)) == -1;
 }
 
+// Q4_1's, Q8_0's and Q5_0's scales need no gathering: they are stored tile by tile (Q41, Q80), and the tile points
+// at its own.
 inline void gather_q41(const Q41& w, const int64_t* col, ColumnTile& t) {
-    gather_columns(w.d, t.groups, col, t.d.data());
-    gather_columns(w.m, t.groups, col, t.m.data());
+    t.d_tile = w.d_tiles + col[0] * t.groups;
+    t.m_tile = w.m_tiles + col[0] * t.groups;
 }
-inline void gather_q80(const Q80& w, const int64_t* col, ColumnTile& t) { gather_columns(w.d, t.groups, col, t.d.data()); }
+inline void gather_q80(const Q80& w, const int64_t* col, ColumnTile& t) { t.d_tile = w.d_tiles + col[0] * t.groups; }
+
+// The 8 float16 values of group g of a tile's scales (or minimums), column i in lane i.
+SPECDEC_INLINE __m256 tile_values(const uint16_t* tile, int64_t g) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(tile + g * kColumns)));
+}
 
 // A tile's rows: their int8 codes, scales (one per group) and group sums.
 template <int R>
@@ -218,7 +228,7 @@ SPECDEC_INLINE void q41_group(Codes codes, const ColumnTile& t, const GroupRows<
         }
         for (int r = 0; r < R; ++r) p[r] = _mm256_madd_epi16(p[r], ones);
     }
-    const __m256 d = _mm256_loadu_ps(&t.d[g * kColumns]), m = _mm256_loadu_ps(&t.m[g * kColumns]);
+    const __m256 d = tile_values(t.d_tile, g), m = tile_values(t.m_tile, g);
     for (int r = 0; r < R; ++r) {
         const float as = x.scale[r][g];
         const __m256 total = _mm256_cvtepi32_ps(p[r]);
@@ -252,7 +262,7 @@ SPECDEC_INLINE void q80_group(Magnitude magnitude, Codes codes, const ColumnTile
             sum[r] = kSmall ? _mm256_add_epi16(sum[r], p) : _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, ones));
         }
     }
-    const __m256 d = _mm256_loadu_ps(&t.d[g * kColumns]);
+    const __m256 d = tile_values(t.d_tile, g);
     for (int r = 0; r < R; ++r) {
         const __m256i total = kSmall && !dp ? _mm256_madd_epi16(sum[r], ones) : sum[r];
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r][g])), acc[r]);

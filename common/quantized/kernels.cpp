@@ -101,7 +101,7 @@ inline void prefetch(const void* start, int64_t bytes) {
 // weights, ql byte l (l < 32) holds the low 4 bits of weights l (low nibble) and 64 + l (high), ql byte 32 + l those
 // of 32 + l and 96 + l; qh byte l the high 2 bits of l, 32 + l, 64 + l and 96 + l.
 // Q4_1: 4-bit codes (layout as Q4_K's), per 32: d and m; w = d * code + m.
-// Q8_0 and Q5_0: int8 codes, per 32: d; w = d * code.
+// Q8_0 and Q5_0: int8 codes, per 32: d; w = d * code. (Their d and m: float16, stored tile by tile, see Q41.)
 struct Q4K {
     const uint8_t* codes; const uint8_t* sc; const uint8_t* mn; const float* d; const float* dmin; int64_t k;
     Q4K row(int64_t n) const {  // output row n's blocks, as a one-row weight
@@ -112,7 +112,9 @@ struct Q6K {
     const uint8_t* ql; const uint8_t* qh; const int8_t* sc; const float* d; int64_t k;
     Q6K row(int64_t n) const { return {ql + n * (k / 2), qh + n * (k / 4), sc + n * (k / 16), d + n * (k / 256), k}; }
 };
-struct Q41 { const uint8_t* codes; const float* d; const float* m; int64_t k; };
+// Q4_1's, Q8_0's and Q5_0's scales (and minimums) as the file's float16, tile by tile (formats.py, TILED):
+// tile[(t * groups + g) * 8 + i] is row 8t + i's value of group g.
+struct Q41 { const uint8_t* codes; const uint16_t* d_tiles; const uint16_t* m_tiles; int64_t k; };
 
 // Q6_K's 6-bit codes of one half (128 weights) of superblock s of a one-row weight: v[j] holds weights 32j..32j+31
 // of that half (as the row kernels and the AMX tiles both read them).
@@ -126,7 +128,7 @@ inline void q6k_codes(const Q6K& w, int64_t s, int half, __m256i v[4]) {
     v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a0, 4), low), _mm256_and_si256(h, high));
     v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a1, 4), low), _mm256_and_si256(_mm256_srli_epi16(h, 2), high));
 }
-struct Q80 { const int8_t* codes; const float* d; int64_t k; };
+struct Q80 { const int8_t* codes; const uint16_t* d_tiles; int64_t k; };
 
 #include "decoder_ops.h"
 
@@ -267,6 +269,8 @@ torch::Tensor product(const W& w, const torch::Tensor& x, int64_t out_features, 
     return y;
 }
 
+int64_t tiles_of(int64_t n) { return (n + 7) / 8; }
+
 void check_weight(const torch::Tensor& t, torch::ScalarType type, int64_t n, int64_t per_row, const char* name) {
     TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == n * per_row, name, ": expected ", n, " x ",
                 per_row, " contiguous values of ", c10::toString(type));
@@ -302,17 +306,17 @@ torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor ql, torch::Tensor qh, to
 torch::Tensor q41_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t n, int64_t k) {
     TORCH_CHECK(k % 64 == 0, "Q4_1 needs K divisible by 64");
     check_weight(codes, torch::kUInt8, n, k / 2, "codes");
-    check_weight(d, torch::kFloat32, n, k / 32, "d");
-    check_weight(m, torch::kFloat32, n, k / 32, "m");
-    Q41 w{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), k};
+    check_weight(d, torch::kFloat16, tiles_of(n) * 8, k / 32, "d (tile by tile)");
+    check_weight(m, torch::kFloat16, tiles_of(n) * 8, k / 32, "m (tile by tile)");
+    Q41 w{codes.data_ptr<uint8_t>(), (const uint16_t*)d.data_ptr<at::Half>(), (const uint16_t*)m.data_ptr<at::Half>(), k};
     return product(w, x, n, 32, 32, FormatKernels<Q41>{&avx2::q41, &vnni::q41, &avx2::q41, &vnni::q41});
 }
 
 torch::Tensor q80_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, int64_t n, int64_t k) {
     TORCH_CHECK(k % 32 == 0, "Q8_0 needs K divisible by 32");
     check_weight(codes, torch::kInt8, n, k, "codes");
-    check_weight(d, torch::kFloat32, n, k / 32, "d");
-    Q80 w{codes.data_ptr<int8_t>(), d.data_ptr<float>(), k};
+    check_weight(d, torch::kFloat16, tiles_of(n) * 8, k / 32, "d (tile by tile)");
+    Q80 w{codes.data_ptr<int8_t>(), (const uint16_t*)d.data_ptr<at::Half>(), k};
     return product(w, x, n, 32, 32, FormatKernels<Q80>{&avx2::q80, &vnni::q80, &avx2::q80, &vnni::q80});
 }
 

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from specdec.common.quantized.formats import PackedWeight
+from specdec.common.quantized.formats import TILE, TILED, PackedWeight, operand_rows, select_rows
 from specdec.common.quantized.kernels import kernels
 
 
@@ -28,14 +28,15 @@ class QuantizedLinear(torch.nn.Module):
 
     def select_rows(self, rows: torch.Tensor) -> "QuantizedLinear":
         """The layer over some output features only (rows are independent blocks: an exact selection)."""
-        tensors = tuple(getattr(self, n).reshape(self.out_features, -1)[rows].contiguous() for n in self.names)
         bias = None if self.bias is None else self.bias[rows].contiguous()
-        return QuantizedLinear(PackedWeight(self.kernel, len(rows), self.in_features, tensors), bias)
+        return QuantizedLinear(select_rows(self.packed, rows), bias)
 
     @property
     def stacking_key(self) -> tuple:
         """Layers with equal keys can share a kernel call (stacked): the same format and input, a bias on all or none."""
-        return self.kernel, self.in_features, self.bias is None
+        # A format with operands stored tile by tile stacks only whole tiles (formats.TILED).
+        whole_tiles = self.kernel not in TILED or self.out_features % TILE == 0
+        return self.kernel, self.in_features, self.bias is None, whole_tiles or id(self)
 
     @classmethod
     def stacked(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear":
@@ -49,17 +50,16 @@ class QuantizedLinear(torch.nn.Module):
         first = layers[0]
         if any(layer.stacking_key != first.stacking_key for layer in layers):
             raise ValueError("only layers of one format and input, with a bias on all or none, can be stacked")
-        tensors = tuple(
-            torch.cat([getattr(layer, name).reshape(layer.out_features, -1) for layer in layers]) for name in first.names
-        )
+        tensors = tuple(torch.cat([getattr(layer, name) for layer in layers]) for name in first.names)
         bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])
         out_features = sum(layer.out_features for layer in layers)
         stacked = cls(PackedWeight(first.kernel, out_features, first.in_features, tensors), bias)
         start = 0
         for layer in layers:
             end = start + layer.out_features
-            for name, tensor in zip(first.names, tensors, strict=True):
-                setattr(layer, name, tensor[start:end])
+            for i, (name, tensor) in enumerate(zip(first.names, tensors, strict=True)):
+                unit = operand_rows(first.kernel, i)
+                setattr(layer, name, tensor[start // unit : -(-end // unit)])
             if bias is not None:
                 layer.bias = bias[start:end]
             start = end

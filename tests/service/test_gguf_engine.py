@@ -342,7 +342,8 @@ def test_a_draft_requantized_to_q4_1_streams_fewer_bytes_and_keeps_the_output_ta
     assert sum(m.packed.nbytes for m in after.values()) < 0.75 * sum(m.packed.nbytes for m in before.values())
     name = next(n for n, m in before.items() if m.kernel == "q80" and m.out_features < 2000)
     original, requantized = formats.dequantize(before[name].packed), formats.dequantize(after[name].packed)
-    _, d, m = after[name].packed.tensors  # Q4_1: w = d * code + m, per 32 weights
+    packed = after[name].packed
+    d = formats.untiled(packed.tensors[1], packed.out_features)  # Q4_1: w = d * code + m, per 32 weights
     error = (requantized - original).abs().reshape(*d.shape, 32)
     assert bool((error <= 0.51 * d.double()[..., None]).all())  # half a step, and d's float16 rounding
 
@@ -486,6 +487,33 @@ def test_column_tile_kernels_match_the_reference_and_every_row_count_bit_for_bit
     x_quantized = (codes.double().reshape(131, -1, 32) * scales.double()[..., None]).reshape(131, -1)
     exact = x_quantized @ formats.dequantize(weight).T
     assert (alone.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+def test_scales_stored_tile_by_tile_stack_select_and_slice_by_whole_rows():
+    """Q4_1's, Q8_0's and Q5_0's scales are stored 8 rows to a tile (formats.TILED). Layers whose rows fill whole
+    tiles share a call and one of 37 rows computes alone, each with its own bits; rows selected (a vocabulary cut)
+    or sliced out stand for the same weights."""
+    rng = np.random.default_rng(8)
+
+    def layer(qtype: str, n: int) -> QuantizedLinear:
+        qt = gguf.GGMLQuantizationType[qtype]
+        return QuantizedLinear(formats.pack(gguf.quants.quantize(rng.standard_normal((n, 64), dtype=np.float32), qt), qt, n, 64))
+
+    for qtype in ("Q4_1", "Q8_0", "Q5_0"):
+        layers = [layer(qtype, 40), layer(qtype, 37), layer(qtype, 16)]
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+        own = [one(x) for one in layers]
+        whole = [formats.dequantize(one.packed) for one in layers]
+        products = StackedProducts(layers)
+        assert [sizes for _, sizes in products.calls] == [[40, 16], [37]], qtype
+        assert all(torch.equal(a, b) for a, b in zip(products(x), own, strict=True)), qtype
+        assert all(torch.equal(formats.dequantize(one.packed), w) for one, w in zip(layers, whole, strict=True))
+        stacked = products.calls[0][0].packed
+        assert torch.equal(formats.dequantize(formats.rows_of(stacked, 40, 16)), whole[2])
+        rows = torch.tensor([36, 0, 9, 8, 17])
+        selected = layers[1].select_rows(rows)
+        assert torch.equal(formats.dequantize(selected.packed), whole[1][rows])
+        assert torch.equal(selected(x), own[1][:, rows])
 
 
 # Bytes of one superblock of 256 weights, and where its float16 scales (d, then Q4_K's dmin) sit in it.
