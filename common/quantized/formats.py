@@ -113,23 +113,24 @@ def nibbles_in_order(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
 
 
-# The kernels compute Q4_1, Q8_0 and Q5_0 in tiles of 8 output columns (kernel_columns.h), a column per vector lane:
-# their per-group scales (and Q4_1's minimums) are stored tile by tile, [tiles, groups, 8] (element [t, g, i] the
-# value of row 8t + i, group g; the last tile repeats the last row where n is not a multiple of 8), as the file's
-# float16, so that a tile reads each group's 8 scales as one 16-byte load. The other operands keep a row per row.
+# The kernels compute Q4_1, Q8_0 and Q5_0 in tiles of 8 output columns (kernel_columns.h), a column per vector lane,
+# so all their operands are stored tile by tile, [tiles, elements, 8] (element [t, e, i] is row 8t + i's element e;
+# the last tile repeats the last row where n is not a multiple of 8): the codes as int32 elements of 4 bytes, so
+# that 32 bytes hold 4 codes bytes of each of 8 rows, as the kernels multiply them, with no transpose at run time;
+# the scales (and Q4_1's minimums) as the file's float16, a group's 8 in one 16-byte load.
 TILE = 8
-TILED = {"q41": (False, True, True), "q80": (False, True)}  # per operand: stored tile by tile
+TILED = {"q41": (True, True, True), "q80": (True, True)}  # per operand: stored tile by tile
 
 
 def tiled(v: np.ndarray) -> np.ndarray:
-    """Per-row values [n, groups] -> [tiles, groups, 8] (the last tile padded with the last row)."""
+    """Per-row elements [n, elements] -> [tiles, elements, 8] (the last tile padded with the last row)."""
     n = v.shape[0]
     padded = np.concatenate([v, np.repeat(v[-1:], -n % TILE, axis=0)]) if n % TILE else v
     return np.ascontiguousarray(padded.reshape(-1, TILE, v.shape[1]).transpose(0, 2, 1))
 
 
 def untiled(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[tiles, groups, 8] -> the per-row values [n, groups]."""
+    """[tiles, elements, 8] -> the per-row elements [n, elements]."""
     return t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n]
 
 
@@ -176,17 +177,22 @@ def pack_q4_1(raw: np.ndarray, n: int, k: int) -> PackedWeight:
         n,
         k,
         (
-            torch.from_numpy(interleave_nibbles(codes)),
+            torch.from_numpy(tiled(interleave_nibbles(codes).view(np.int32))),
             torch.from_numpy(tiled(fp16_bits(b[..., 0:2]))),
             torch.from_numpy(tiled(fp16_bits(b[..., 2:4]))),
         ),
     )
 
 
+def pack_q80(codes: np.ndarray, d: np.ndarray, n: int, k: int) -> PackedWeight:
+    """The int8 kernel's operands: codes [n, k] (int8) and d's fp16 bytes [n, groups, 2], tile by tile."""
+    return PackedWeight("q80", n, k, (torch.from_numpy(tiled(codes.view(np.int32))), torch.from_numpy(tiled(fp16_bits(d)))))
+
+
 def pack_q8_0(raw: np.ndarray, n: int, k: int) -> PackedWeight:
     b = blocks(raw, n, 34)  # d fp16, qs[32] (int8)
     codes = np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k)
-    return PackedWeight("q80", n, k, (torch.from_numpy(codes), torch.from_numpy(tiled(fp16_bits(b[..., 0:2])))))
+    return pack_q80(codes, b[..., 0:2], n, k)
 
 
 def q5_0_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -198,7 +204,7 @@ def q5_0_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 def pack_q5_0(raw: np.ndarray, n: int, k: int) -> PackedWeight:
     b = blocks(raw, n, 22)  # d fp16, qh[4], qs[16]
     codes = q5_0_codes(b[..., 2:6], b[..., 6:22]).astype(np.int8).reshape(n, k)
-    return PackedWeight("q80", n, k, (torch.from_numpy(codes), torch.from_numpy(tiled(fp16_bits(b[..., 0:2])))))
+    return pack_q80(codes, b[..., 0:2], n, k)
 
 
 PACKERS = {Q.Q4_K: pack_q4_k, Q.Q6_K: pack_q6_k, Q.Q4_1: pack_q4_1, Q.Q8_0: pack_q8_0, Q.Q5_0: pack_q5_0}
@@ -232,9 +238,9 @@ def dequantize(weight: PackedWeight) -> torch.Tensor:
         scale = d.repeat_interleave(16, dim=1) * sc
         return ((codes.reshape(n, k // 16, 16) - 32).double() * scale[..., None]).reshape(n, k)
     if weight.kernel == "q41":
-        codes, d, m = t[0], untiled(t[1], n), untiled(t[2], n)
+        codes, d, m = untiled(weight.tensors[0], n).contiguous().view(torch.uint8).long(), untiled(t[1], n), untiled(t[2], n)
         low, high = codes.reshape(n, k // 64, 32) & 0xF, codes.reshape(n, k // 64, 32) >> 4
         q = torch.stack([low, high], dim=2).reshape(n, k // 32, 32).double()
         return (q * d[..., None] + m[..., None]).reshape(n, k)
-    codes, d = t[0], untiled(t[1], n)
+    codes, d = untiled(weight.tensors[0], n).contiguous().view(torch.int8), untiled(t[1], n)
     return (codes.reshape(n, k // 32, 32).double() * d[..., None]).reshape(n, k)

@@ -81,40 +81,43 @@ inline void gather_columns(const float* v, int64_t groups, const int64_t* col, f
     }
 }
 
-// Each weight row's group pair c of Q4_1 (32 bytes: weight i of group 2c in the low nibble of byte i, weight i of
+// Each weight row's group pair c of Q4_K (32 bytes: weight i of group 2c in the low nibble of byte i, weight i of
 // group 2c + 1 in the high one) for the tile's columns col[0..7] (the last tile of a call repeats its last column
 // where it has fewer than 8), transposed: int32 lane i of r[j] holds bytes 4j..4j+3 of column i, whose low nibbles
 // are then group 2c's weights 4j..4j+3 and whose high ones group 2c + 1's. The next tile's lines are prefetched.
-// Q4_K packs its codes the same way (nibble_codes, for either format). kHint: the cache the prefetches fill.
-template <_mm_hint kHint = _MM_HINT_T0>
 SPECDEC_INLINE void nibble_codes(const uint8_t* codes, int64_t k, const int64_t* col, int64_t c, __m256i r[8]) {
     const int64_t bytes = k / 2;
     for (int i = 0; i < 8; ++i) {
         r[i] = _mm256_loadu_si256((const __m256i*)(codes + col[i] * bytes + c * 32));
-        if (!(c & 1)) _mm_prefetch((const char*)(codes + (col[i] + kColumns) * bytes + c * 32), kHint);
+        if (!(c & 1)) _mm_prefetch((const char*)(codes + (col[i] + kColumns) * bytes + c * 32), _MM_HINT_T0);
     }
     transpose8x8(r);
 }
 
-// Q4_1's, Q8_0's and Q5_0's next tile is prefetched into L2, not L1: a step of these formats does little work per
-// byte, and prefetches into L1 held it to about 0.6x of the memory's bandwidth (docs/engines.md).
+// Q4_1's, Q8_0's and Q5_0's codes are stored tile by tile already transposed (formats.py, TILED): a tile's 32-byte
+// chunk c (Q4_1: group pair c, as Q4_K's above; Q8_0, Q5_0: group c) is 8 vectors, int32 lane i of r[j] holding
+// bytes 4j..4j+3 of column i, read as they are. The next tile's same chunk is prefetched into L2, not L1: a step of
+// these formats does little work per byte, and prefetches into L1 held it to about 0.6x of the memory's bandwidth
+// (docs/engines.md).
+SPECDEC_INLINE void tile_chunk(const uint8_t* tile, int64_t tile_bytes, int64_t c, __m256i r[8]) {
+    const uint8_t* chunk = tile + c * 8 * 32;
+    for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_si256((const __m256i*)(chunk + j * 32));
+    for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)(chunk + tile_bytes + line * 64), _MM_HINT_T1);
+}
+
 SPECDEC_INLINE void q41_codes(const Q41& w, const int64_t* col, int64_t c, __m256i r[8]) {
     const int64_t groups = w.k / 32;
     if (!(c & 1)) {  // the next tile's 16 * groups bytes of each, a line per 2 calls
         _mm_prefetch((const char*)(w.d_tiles + (col[0] + kColumns) * groups) + c * 32, _MM_HINT_T1);
         _mm_prefetch((const char*)(w.m_tiles + (col[0] + kColumns) * groups) + c * 32, _MM_HINT_T1);
     }
-    nibble_codes<_MM_HINT_T1>(w.codes, w.k, col, c, r);
+    tile_chunk(w.codes + col[0] * (w.k / 2), kColumns * (w.k / 2), c, r);
 }
 
-// Q8_0's and Q5_0's int8 codes of group g, transposed and prefetched as q41_codes's.
+// Q8_0's and Q5_0's int8 codes of group g, as q41_codes's.
 SPECDEC_INLINE void q80_codes(const Q80& w, const int64_t* col, int64_t g, __m256i r[8]) {
-    for (int i = 0; i < 8; ++i) {
-        r[i] = _mm256_loadu_si256((const __m256i*)(w.codes + col[i] * w.k + g * 32));
-        if (!(g & 1)) _mm_prefetch((const char*)(w.codes + (col[i] + kColumns) * w.k + g * 32), _MM_HINT_T1);
-    }
     if (!(g & 3)) _mm_prefetch((const char*)(w.d_tiles + (col[0] + kColumns) * (w.k / 32)) + g * 16, _MM_HINT_T1);
-    transpose8x8(r);
+    tile_chunk((const uint8_t*)w.codes + col[0] * w.k, kColumns * w.k, g, r);
 }
 
 // The whole tile unpacked, for calls of more rows than one row group: Q4_1's codes as bytes 0..15, 8 vectors per

@@ -112,8 +112,8 @@ struct Q6K {
     const uint8_t* ql; const uint8_t* qh; const int8_t* sc; const float* d; int64_t k;
     Q6K row(int64_t n) const { return {ql + n * (k / 2), qh + n * (k / 4), sc + n * (k / 16), d + n * (k / 256), k}; }
 };
-// Q4_1's, Q8_0's and Q5_0's scales (and minimums) as the file's float16, tile by tile (formats.py, TILED):
-// tile[(t * groups + g) * 8 + i] is row 8t + i's value of group g.
+// Q4_1's, Q8_0's and Q5_0's operands tile by tile (formats.py, TILED), element (t * count + e) * 8 + i being row
+// 8t + i's element e: the codes as int32 elements (4 bytes), the scales (and minimums) as the file's float16.
 struct Q41 { const uint8_t* codes; const uint16_t* d_tiles; const uint16_t* m_tiles; int64_t k; };
 
 // Q6_K's 6-bit codes of one half (128 weights) of superblock s of a one-row weight: v[j] holds weights 32j..32j+31
@@ -305,18 +305,18 @@ torch::Tensor q6k_matmul(torch::Tensor x, torch::Tensor ql, torch::Tensor qh, to
 
 torch::Tensor q41_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t n, int64_t k) {
     TORCH_CHECK(k % 64 == 0, "Q4_1 needs K divisible by 64");
-    check_weight(codes, torch::kUInt8, n, k / 2, "codes");
+    check_weight(codes, torch::kInt32, tiles_of(n) * 8, k / 8, "codes (tile by tile)");
     check_weight(d, torch::kFloat16, tiles_of(n) * 8, k / 32, "d (tile by tile)");
     check_weight(m, torch::kFloat16, tiles_of(n) * 8, k / 32, "m (tile by tile)");
-    Q41 w{codes.data_ptr<uint8_t>(), (const uint16_t*)d.data_ptr<at::Half>(), (const uint16_t*)m.data_ptr<at::Half>(), k};
+    Q41 w{(const uint8_t*)codes.data_ptr<int32_t>(), (const uint16_t*)d.data_ptr<at::Half>(), (const uint16_t*)m.data_ptr<at::Half>(), k};
     return product(w, x, n, 32, 32, FormatKernels<Q41>{&avx2::q41, &vnni::q41, &avx2::q41, &vnni::q41});
 }
 
 torch::Tensor q80_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, int64_t n, int64_t k) {
     TORCH_CHECK(k % 32 == 0, "Q8_0 needs K divisible by 32");
-    check_weight(codes, torch::kInt8, n, k, "codes");
+    check_weight(codes, torch::kInt32, tiles_of(n) * 8, k / 4, "codes (tile by tile)");
     check_weight(d, torch::kFloat16, tiles_of(n) * 8, k / 32, "d (tile by tile)");
-    Q80 w{codes.data_ptr<int8_t>(), (const uint16_t*)d.data_ptr<at::Half>(), k};
+    Q80 w{(const int8_t*)codes.data_ptr<int32_t>(), (const uint16_t*)d.data_ptr<at::Half>(), k};
     return product(w, x, n, 32, 32, FormatKernels<Q80>{&avx2::q80, &vnni::q80, &avx2::q80, &vnni::q80});
 }
 
