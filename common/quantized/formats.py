@@ -116,10 +116,10 @@ def nibbles_in_order(qs: np.ndarray) -> np.ndarray:
 # The kernels compute Q4_1, Q8_0 and Q5_0 in tiles of 8 output columns (kernel_columns.h), a column per vector lane,
 # so all their operands are stored tile by tile, [tiles, elements, 8] (element [t, e, i] is row 8t + i's element e;
 # the last tile repeats the last row where n is not a multiple of 8): the codes as int32 elements of 4 bytes, so
-# that 32 bytes hold 4 codes bytes of each of 8 rows, as the kernels multiply them, with no transpose at run time;
+# that 32 bytes hold 4 code bytes of each of 8 rows, as the kernels multiply them, with no transpose at run time;
 # the scales (and Q4_1's minimums) as the file's float16, a group's 8 in one 16-byte load.
 TILE = 8
-TILED = {"q41": (True, True, True), "q80": (True, True)}  # per operand: stored tile by tile
+TILED = ("q41", "q80")  # the kernels whose operands are stored tile by tile
 
 
 def tiled(v: np.ndarray) -> np.ndarray:
@@ -134,32 +134,29 @@ def untiled(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n]
 
 
-def operand_rows(kernel: str, i: int) -> int:
-    """How many output rows one leading index of operand i stands for: 8 for a tiled operand, else 1."""
-    return TILE if TILED.get(kernel, ())[i : i + 1] == (True,) else 1
+def rows_per_index(kernel: str) -> int:
+    """How many output rows one leading index of the kernel's operands stands for: a tile's 8, or 1."""
+    return TILE if kernel in TILED else 1
 
 
 def rows_of(weight: PackedWeight, start: int, n: int) -> PackedWeight:
     """Rows start..start + n - 1 of a packed matrix (start a multiple of 8 where the format has tiled operands), as
     views."""
-    tensors = []
-    for i, t in enumerate(weight.tensors):
-        unit = operand_rows(weight.kernel, i)
-        if start % unit:
-            raise ValueError(f"rows of {weight.kernel} start at a multiple of {unit}, not at {start}")
-        tensors.append(t[start // unit : -(-(start + n) // unit)])
-    return PackedWeight(weight.kernel, n, weight.in_features, tuple(tensors))
+    unit = rows_per_index(weight.kernel)
+    if start % unit:
+        raise ValueError(f"rows of {weight.kernel} start at a multiple of {unit}, not at {start}")
+    tensors = tuple(t[start // unit : -(-(start + n) // unit)] for t in weight.tensors)
+    return PackedWeight(weight.kernel, n, weight.in_features, tensors)
 
 
 def select_rows(weight: PackedWeight, rows: torch.Tensor) -> PackedWeight:
     """Some output rows of a packed matrix, in the given order (a copy)."""
-    n, tensors = weight.out_features, []
-    for i, t in enumerate(weight.tensors):
-        if operand_rows(weight.kernel, i) == TILE:
-            tensors.append(torch.from_numpy(tiled(untiled(t, n)[rows].numpy())))
-        else:
-            tensors.append(t.reshape(n, -1)[rows].contiguous())
-    return PackedWeight(weight.kernel, len(rows), weight.in_features, tuple(tensors))
+    n = weight.out_features
+    if weight.kernel in TILED:
+        tensors = tuple(torch.from_numpy(tiled(untiled(t, n)[rows].numpy())) for t in weight.tensors)
+    else:
+        tensors = tuple(t.reshape(n, -1)[rows].contiguous() for t in weight.tensors)
+    return PackedWeight(weight.kernel, len(rows), weight.in_features, tensors)
 
 
 def fp16_bits(raw: np.ndarray) -> np.ndarray:
@@ -238,7 +235,8 @@ def dequantize(weight: PackedWeight) -> torch.Tensor:
         scale = d.repeat_interleave(16, dim=1) * sc
         return ((codes.reshape(n, k // 16, 16) - 32).double() * scale[..., None]).reshape(n, k)
     if weight.kernel == "q41":
-        codes, d, m = untiled(weight.tensors[0], n).contiguous().view(torch.uint8).long(), untiled(t[1], n), untiled(t[2], n)
+        codes = untiled(weight.tensors[0], n).contiguous().view(torch.uint8).long()
+        d, m = untiled(t[1], n), untiled(t[2], n)
         low, high = codes.reshape(n, k // 64, 32) & 0xF, codes.reshape(n, k // 64, 32) >> 4
         q = torch.stack([low, high], dim=2).reshape(n, k // 32, 32).double()
         return (q * d[..., None] + m[..., None]).reshape(n, k)

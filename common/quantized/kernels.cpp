@@ -100,8 +100,8 @@ inline void prefetch(const void* start, int64_t bytes) {
 // Q6_K: 6-bit codes (0..63, weight = code - 32) as the file packs them; per 16: int8 scale; per 256: d. In each 128
 // weights, ql byte l (l < 32) holds the low 4 bits of weights l (low nibble) and 64 + l (high), ql byte 32 + l those
 // of 32 + l and 96 + l; qh byte l the high 2 bits of l, 32 + l, 64 + l and 96 + l.
-// Q4_1: 4-bit codes (layout as Q4_K's), per 32: d and m; w = d * code + m.
-// Q8_0 and Q5_0: int8 codes, per 32: d; w = d * code. (Their d and m: float16, stored tile by tile, see Q41.)
+// Q4_1: 4-bit codes (nibbles paired as Q4_K's), per 32: d and m; w = d * code + m.
+// Q8_0 and Q5_0: int8 codes, per 32: d; w = d * code. (All their operands stored tile by tile, see Q41.)
 struct Q4K {
     const uint8_t* codes; const uint8_t* sc; const uint8_t* mn; const float* d; const float* dmin; int64_t k;
     Q4K row(int64_t n) const {  // output row n's blocks, as a one-row weight

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from specdec.common.quantized.formats import TILE, TILED, PackedWeight, operand_rows, select_rows
+from specdec.common.quantized.formats import PackedWeight, rows_per_index, select_rows
 from specdec.common.quantized.kernels import kernels
 
 
@@ -35,7 +35,7 @@ class QuantizedLinear(torch.nn.Module):
     def stacking_key(self) -> tuple:
         """Layers with equal keys can share a kernel call (stacked): the same format and input, a bias on all or none."""
         # A format with operands stored tile by tile stacks only whole tiles (formats.TILED).
-        whole_tiles = self.kernel not in TILED or self.out_features % TILE == 0
+        whole_tiles = self.out_features % rows_per_index(self.kernel) == 0
         return self.kernel, self.in_features, self.bias is None, whole_tiles or id(self)
 
     @classmethod
@@ -57,8 +57,8 @@ class QuantizedLinear(torch.nn.Module):
         start = 0
         for layer in layers:
             end = start + layer.out_features
-            for i, (name, tensor) in enumerate(zip(first.names, tensors, strict=True)):
-                unit = operand_rows(first.kernel, i)
+            unit = rows_per_index(first.kernel)
+            for name, tensor in zip(first.names, tensors, strict=True):
                 setattr(layer, name, tensor[start // unit : -(-end // unit)])
             if bias is not None:
                 layer.bias = bias[start:end]
