@@ -221,8 +221,12 @@ def pack(raw: np.ndarray, qtype: Q, n: int, k: int) -> PackedWeight:
 
 def dequantize(weight: PackedWeight) -> torch.Tensor:
     """The float64 weights [n, k] a packed matrix stands for."""
-    t = [x.double() if x.is_floating_point() else x.long() for x in weight.tensors]
     n, k = weight.out_features, weight.in_features
+    tensors = weight.tensors
+    if weight.kernel in TILED:  # back to a row per row: the codes' int32 elements as their bytes
+        codes = untiled(tensors[0], n).contiguous().view(torch.uint8 if weight.kernel == "q41" else torch.int8)
+        tensors = (codes, *(untiled(x, n) for x in tensors[1:]))
+    t = [x.double() if x.is_floating_point() else x.long() for x in tensors]
     if weight.kernel == "q4k":
         codes, sc, mn, d, dmin = t
         low, high = codes.reshape(n, k // 64, 32) & 0xF, codes.reshape(n, k // 64, 32) >> 4
@@ -235,10 +239,9 @@ def dequantize(weight: PackedWeight) -> torch.Tensor:
         scale = d.repeat_interleave(16, dim=1) * sc
         return ((codes.reshape(n, k // 16, 16) - 32).double() * scale[..., None]).reshape(n, k)
     if weight.kernel == "q41":
-        codes = untiled(weight.tensors[0], n).contiguous().view(torch.uint8).long()
-        d, m = untiled(t[1], n), untiled(t[2], n)
+        codes, d, m = t
         low, high = codes.reshape(n, k // 64, 32) & 0xF, codes.reshape(n, k // 64, 32) >> 4
         q = torch.stack([low, high], dim=2).reshape(n, k // 32, 32).double()
         return (q * d[..., None] + m[..., None]).reshape(n, k)
-    codes, d = untiled(weight.tensors[0], n).contiguous().view(torch.int8), untiled(t[1], n)
+    codes, d = t
     return (codes.reshape(n, k // 32, 32).double() * d[..., None]).reshape(n, k)

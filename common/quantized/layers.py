@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from specdec.common.quantized.formats import PackedWeight, rows_per_index, select_rows
+from specdec.common.quantized.formats import PackedWeight, rows_of, rows_per_index, select_rows
 from specdec.common.quantized.kernels import kernels
 
 
@@ -57,9 +57,9 @@ class QuantizedLinear(torch.nn.Module):
         start = 0
         for layer in layers:
             end = start + layer.out_features
-            unit = rows_per_index(first.kernel)
-            for name, tensor in zip(first.names, tensors, strict=True):
-                setattr(layer, name, tensor[start // unit : -(-end // unit)])
+            own = rows_of(stacked.packed, start, layer.out_features)
+            for name, tensor in zip(first.names, own.tensors, strict=True):
+                setattr(layer, name, tensor)
             if bias is not None:
                 layer.bias = bias[start:end]
             start = end

@@ -489,8 +489,8 @@ def test_column_tile_kernels_match_the_reference_and_every_row_count_bit_for_bit
     assert (alone.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
 
 
-def test_scales_stored_tile_by_tile_stack_select_and_slice_by_whole_rows():
-    """Q4_1's, Q8_0's and Q5_0's scales are stored 8 rows to a tile (formats.TILED). Layers whose rows fill whole
+def test_weights_stored_tile_by_tile_stack_select_and_slice_by_whole_rows():
+    """Q4_1's, Q8_0's and Q5_0's codes and scales are stored 8 rows to a tile (formats.TILED). Layers whose rows fill whole
     tiles share a call and one of 37 rows computes alone, each with its own bits; rows selected (a vocabulary cut)
     or sliced out stand for the same weights."""
     rng = np.random.default_rng(8)
