@@ -27,7 +27,7 @@ from pathlib import Path
 
 from specdec.bench.llama_server import LlamaServer
 from specdec.bench.runner import grpc_run, load_prompts, machine_description, rotated, run_to_dict
-from specdec.common.model_specs import gguf_path, split_variant
+from specdec.common.model_specs import base_model, gguf_path
 from specdec.common.models import load_model
 from specdec.coordinator.client import GenerationClient
 from specdec.coordinator.cluster import MODEL_FREE_DRAFT_IN_COORDINATOR, Cluster, default_draft_for, free_port, model_draft_for
@@ -284,7 +284,7 @@ def run_llama_cpp(config: LlamaCppConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     target_file = gguf_path(config.target_model)
     model_draft = next((d for d in (config.draft_model, model_draft_for(config.target_model)) if d and not is_ngram(d)), None)
-    draft_base = split_variant(model_draft)[0] if model_draft else None
+    draft_base = base_model(model_draft) if model_draft else None
     models = [config.target_model] + ([draft_base] if draft_base and gguf_path(draft_base) else [])
     curves = {}
     for model in models:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from specdec.bench.performance import passes
 from specdec.bench.runner import cost_curve, grpc_run, hf_run, load_prompts, machine_description, run_to_dict
 from specdec.common.model_runner import CALIBRATION_CONTEXT
-from specdec.common.model_specs import split_variant
+from specdec.common.model_specs import base_model
 from specdec.common.models import load_model
 from specdec.common.packed_linear import can_pack, pack_linear_layers
 from specdec.coordinator.client import GenerationClient
@@ -75,13 +75,6 @@ class PairConfig:
             self.max_new_tokens, self.repeats = min(self.max_new_tokens, 32), 1
             self.prompt_ids = self.prompt_ids or QUICK_PROMPTS
         self.prompt_ids = self.prompt_ids or PAIR_PROMPTS
-
-
-def base_model(spec: str) -> str:
-    """The spec without any '#variant' (variants chain, e.g. m#vocab=65536#int8): HF assisted is given the plain
-    float32 draft, the dtype of the target."""
-    base, variant = split_variant(spec)
-    return base if variant is None else base_model(base)
 
 
 def peak_rss_mib(pid: int) -> float | None:

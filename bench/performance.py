@@ -23,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specdec.bench.runner import grpc_run, hf_run, load_prompts, machine_description, run_to_dict
+from specdec.common.model_specs import base_model
 from specdec.common.models import load_model
 from specdec.coordinator.client import GenerationClient
 from specdec.coordinator.cluster import Cluster, default_draft_for, free_port
@@ -60,7 +61,7 @@ def schedules(config: PerformanceConfig, client: GenerationClient, prompts: list
     # Hugging Face's baselines run what a transformers user runs: its own linear layers, not the workers' packed ones.
     target = load_model(config.target_model, config.device, linear="eager")
     ngram = is_ngram(config.draft_model)
-    draft = None if ngram else load_model(config.draft_model, config.device, linear="eager")
+    draft = None if ngram else load_model(base_model(config.draft_model), config.device, linear="eager")
     eos = target.tokenizer.eos_token_ids
     runs = []
     for repeat, prompt in passes(config, prompts):

@@ -9,6 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
 from specdec.common.acceptance import expected_tokens  # noqa: E402
+from specdec.common.model_specs import base_model  # noqa: E402
 
 PLOTS = ["speedup_vs_gamma.png", "acceptance_by_position.png", "time_split.png", "tokens_per_second.png"]
 
@@ -71,6 +72,11 @@ def plot_systems(analysis: dict, path: Path) -> None:
         ax.set(xlabel="tokens/s (median over prompts)", title="Throughput per system (greedy, one request at a time)")
 
 
+def plain_draft_note(draft_model: str) -> str:
+    base = base_model(draft_model)
+    return f" (HF assisted: the plain `{base}`)" if base != draft_model else ""
+
+
 def write_report(results: dict, out: Path) -> None:
     analysis = results["analysis"]
     for plot, name in zip((plot_speedup, plot_acceptance, plot_split, plot_systems), PLOTS, strict=True):
@@ -79,7 +85,8 @@ def write_report(results: dict, out: Path) -> None:
     gamma_rows = analysis["gamma_sweep"]
     sections = [
         f"# specdec bench: {config['name']}",
-        f"Target `{config['target_model']}`, draft `{config['draft_model']}`, device `{config['device']}`; "
+        f"Target `{config['target_model']}`, draft `{config['draft_model']}`{plain_draft_note(config['draft_model'])}, "
+        f"device `{config['device']}`; "
         f"{len(set(r['prompt_id'] for r in results['runs']))} prompts, {config['repeats']} counted repeats after one warm-up, "
         f"at most {config['max_new_tokens']} new tokens; started {results['started']}, took {results['duration_seconds']:.0f} s. "
         f"Machine: {machine['processor']}, torch {machine['torch']} ({machine['torch_threads']} threads), "

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from specdec.bench import analytic
 from specdec.common.cached_sequence import CachedSequence
 from specdec.common.config import WorkerConfig
+from specdec.common.model_specs import base_model
 from specdec.common.models import load_model
 from specdec.common.protocol import DRAFT_SOURCE_OF
 from specdec.common.sampling import SamplingParams
@@ -263,7 +264,7 @@ async def measure(config: BenchConfig, progress: tqdm, client: GenerationClient)
     )
     # Hugging Face's baselines run what a transformers user runs: its own linear layers, not the workers' packed ones.
     hf_target = load_model(config.target_model, config.device, linear="eager")
-    hf_draft = None if ngram else load_model(config.draft_model, config.device, linear="eager")
+    hf_draft = None if ngram else load_model(base_model(config.draft_model), config.device, linear="eager")
     engine = await build_engine(workers, CoordinatorConfig(), tokenizer=target.tokenizer)
     eos = target.tokenizer.eos_token_ids
     chats = {p["id"]: target.tokenizer.render_chat([{"role": "user", "content": p["prompt"]}]) for p in prompts}

@@ -12,6 +12,7 @@ import types
 import typing
 from dataclasses import MISSING, dataclass
 
+from specdec.common.startup_turn import default_lock_path
 from specdec.common.tls import TlsFiles
 from specdec.common.wire_limits import MAX_Q_ENTRIES
 
@@ -210,6 +211,12 @@ class WorkerConfig:
         "of the memory free after loading holds); an opening beyond it is RESOURCE_EXHAUSTED",
     )
     threads: int | None = setting(None, "compute threads (torch.set_num_threads); default: PyTorch's choice")
+    startup_lock: str = setting(
+        default_lock_path(),
+        "a file locked while the model loads and measures its cost curve, so that workers on one machine do so in "
+        "turn and none measures another's load (default: one per machine and user); 'none': no lock",
+        env="SPECDEC_STARTUP_LOCK",
+    )
     cpus: str | None = setting(None, "pin the process to these CPUs, e.g. 0 or 0-3 or 0,2")
     worker_auth_token: str | None = setting(
         None,

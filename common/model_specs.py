@@ -15,6 +15,7 @@ Spellings:
                                                   final norm and head): an early-exit draft, e.g. smollm2-135m#layers=3
   any of these + "#vocab=N"                       an output layer over the N most frequent tokens only (and the
                                                   special tokens): a draft whose head costs N/V of the full one
+  any of these + "#q4_1"                          the gguf engine's product layers re-quantized to Q4_1 (but Q4_K's)
 Variants chain left to right: qwen2.5-coder-0.5b#vocab=65536#int8.
 """
 
@@ -58,6 +59,13 @@ def split_variant(spec: str) -> tuple[str, str | None]:
     """'model#variant' -> ('model', 'variant'); a spec without '#' -> (spec, None)."""
     base, sep, variant = spec.rpartition("#")
     return (base, variant) if sep else (spec, None)
+
+
+def base_model(spec: str) -> str:
+    """The spec without any '#variant' (variants chain, e.g. m#vocab=65536#int8): the plain model a Hugging Face
+    baseline is given (some variants, #q4_1, exist only on the gguf engine)."""
+    base, variant = split_variant(spec)
+    return base if variant is None else base_model(base)
 
 
 def smollm2_gguf() -> tuple[str, str]:

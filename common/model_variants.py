@@ -120,16 +120,12 @@ def requantize_q4_1(loaded: LoadedModel, spec: str) -> LoadedModel:
 
 
 def as_q4_1(layer):
-    """The layer's weights de-quantized and quantized again to Q4_1 (gguf's own quantizer), a slice of rows at a time."""
-    from gguf import GGMLQuantizationType, quants
-
-    from specdec.common.quantized.formats import dequantize, pack, rows_of
+    """The layer's weights de-quantized and quantized again to Q4_1 (as gguf's own quantizer does), a slice of rows at
+    a time."""
+    from specdec.common.quantized.formats import dequantize, pack_q41, quantize_q4_1, rows_of
     from specdec.common.quantized.layers import QuantizedLinear
 
-    rows, packed, parts = 8192, layer.packed, []
-    for start in range(0, layer.out_features, rows):
-        n = min(rows, layer.out_features - start)
-        weights = dequantize(rows_of(packed, start, n)).float().numpy()
-        parts.append(quants.quantize(weights, GGMLQuantizationType.Q4_1))
-    raw = np.concatenate(parts)
-    return QuantizedLinear(pack(raw, GGMLQuantizationType.Q4_1, layer.out_features, layer.in_features), layer.bias)
+    rows, packed, n, k = 8192, layer.packed, layer.out_features, layer.in_features
+    parts = [quantize_q4_1(dequantize(rows_of(packed, start, min(rows, n - start))).float()) for start in range(0, n, rows)]
+    codes, d, m = (np.concatenate(operand) for operand in zip(*parts, strict=True))
+    return QuantizedLinear(pack_q41(codes, d, m, n, k), layer.bias)

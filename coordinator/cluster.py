@@ -28,8 +28,11 @@ DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b
 # lookup, the two clusters alive at once and taken in turn: 1.07x the aggregate tokens/s of a draft worker (median
 # of 4 pairs, 0.95-1.17); on SmolLM2 (drafting suite) ahead or level at 1-16 clients (docs/results/).
 MODEL_FREE_DRAFT_IN_COORDINATOR = True
-# The model draft of a target that has a sibling sharing its tokenizer (what the pair and llama-cpp benches compare).
-MODEL_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b#int8"}
+# The model draft of a target that has a sibling sharing its tokenizer (what the pair, drafting and llama-cpp benches
+# compare): the cheapest exact variant of the sibling on the gguf engine, its layers in Q4_1 and its head over the
+# 32768 most frequent tokens, whose step costs about 0.3 of the 1.5B's on a Zen 4 against 0.5 for the plain 0.5B,
+# at much the same acceptance (docs/results/).
+MODEL_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b#q4_1#vocab=32768"}
 # Spins of an idle OpenMP thread before it sleeps, in workers that share the cores with another model worker.
 SHARED_CORES_SPIN_COUNT = 10_000
 # How a service is started: the `specdec` command line (cli/), run by this interpreter.

@@ -165,20 +165,37 @@ def fp16_bits(raw: np.ndarray) -> np.ndarray:
 
 
 def pack_q4_1(raw: np.ndarray, n: int, k: int) -> PackedWeight:
+    b = blocks(raw, n, 20)  # d fp16, m fp16, qs[16]
+    return pack_q41(nibbles_in_order(b[..., 4:20]).reshape(n, k), fp16_bits(b[..., 0:2]), fp16_bits(b[..., 2:4]), n, k)
+
+
+def pack_q41(codes: np.ndarray, d: np.ndarray, m: np.ndarray, n: int, k: int) -> PackedWeight:
+    """The Q4_1 kernel's operands: codes [n, k] (0-15, weight order), d and m [n, groups] (float16), tile by tile."""
     if k % 64:
         raise UnsupportedFormat(f"Q4_1 rows of {k} values (the kernel needs a multiple of 64)")
-    b = blocks(raw, n, 20)  # d fp16, m fp16, qs[16]
-    codes = nibbles_in_order(b[..., 4:20]).reshape(n, k)
     return PackedWeight(
         "q41",
         n,
         k,
         (
             torch.from_numpy(tiled(interleave_nibbles(codes).view(np.int32))),
-            torch.from_numpy(tiled(fp16_bits(b[..., 0:2]))),
-            torch.from_numpy(tiled(fp16_bits(b[..., 2:4]))),
+            torch.from_numpy(tiled(d)),
+            torch.from_numpy(tiled(m)),
         ),
     )
+
+
+def quantize_q4_1(weights: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Float32 weights [n, k] in Q4_1, as gguf's own quantizer computes it (the same float32 operations, so the same
+    codes and scales: per 32 weights d = (max - min) / 15, m = min, code = trunc((w - m) / d + 0.5)) but in torch
+    over the whole matrix: codes [n, k] (0-15, weight order), d and m [n, groups] (float16), pack_q41's operands."""
+    n, k = weights.shape
+    groups = weights.reshape(n, k // 32, 32)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    d = (high - low) / 15
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    codes = torch.trunc((groups - low) * inverse + 0.5).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    return codes.numpy(), d[..., 0].to(torch.float16).numpy(), low[..., 0].to(torch.float16).numpy()
 
 
 def pack_q80(codes: np.ndarray, d: np.ndarray, n: int, k: int) -> PackedWeight:

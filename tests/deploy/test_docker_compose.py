@@ -45,6 +45,11 @@ def test_services_export_traces_to_jaeger_and_share_a_model_cache(services):
         assert any(v["target"] == "/models" for v in services[name]["volumes"])
 
 
+def test_the_workers_load_and_calibrate_in_turn_through_one_lock_on_their_shared_volume(services):
+    locks = {services[name]["environment"]["SPECDEC_STARTUP_LOCK"] for name in WORKERS}
+    assert len(locks) == 1 and locks.pop().startswith("/models/")
+
+
 def test_models_are_chosen_by_environment_with_offline_defaults(services):
     assert "smollm2-135m" in services["target-worker"]["command"]
     assert "ngram" in services["draft-worker"]["command"]

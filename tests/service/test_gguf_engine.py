@@ -332,6 +332,19 @@ def products_of(loaded) -> dict[str, QuantizedLinear]:
     return {name: m for name, m in loaded.model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
+def test_q4_1_quantization_in_torch_gives_ggufs_own_quantizers_bytes():
+    """The #q4_1 variant quantizes in torch over whole matrices: the same codes, scales and minimums as gguf's numpy
+    quantizer, on random rows, tiny ones, a group of one value (d = 0) and all zeros."""
+    generator = torch.Generator().manual_seed(0)
+    cases = [torch.randn(100, 896, generator=generator), torch.randn(9, 128, generator=generator) * 1e-3, torch.zeros(8, 64)]
+    cases[0][3, 32:64] = 0.25
+    for weights in cases:
+        raw = gguf.quants.quantize(weights.numpy(), gguf.GGMLQuantizationType.Q4_1)
+        expected = formats.pack(raw, gguf.GGMLQuantizationType.Q4_1, *weights.shape)
+        computed = formats.pack_q41(*formats.quantize_q4_1(weights), *weights.shape)
+        assert all(torch.equal(a, b) for a, b in zip(expected.tensors, computed.tensors, strict=True))
+
+
 @pytest.mark.slow
 def test_a_draft_requantized_to_q4_1_streams_fewer_bytes_and_keeps_the_output_target_only():
     """#q4_1: every product layer but Q4_K's in Q4_1, each weight within about half a Q4_1 step of the file's; as a draft
