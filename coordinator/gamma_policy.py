@@ -90,12 +90,18 @@ class Scale:
     """Measured over predicted time: follows a worker that is slower (or faster) than when it was calibrated."""
 
     value: float = 1.0
+    measured: bool = False  # whether any round has measured it
+    # The first measurement replaces the curve's guess instead of moving it by a fifth (the draft's: its curve is
+    # only measured in rounds that draft, and one that priced the draft out would otherwise keep doing so).
+    first_replaces: bool = False
 
     def update(self, measured_ms: float, predicted_ms: float, weight: float = 1.0) -> None:
         """weight: how many measurements this one counts as (the sessions of one pass share it, see
         CostModelPolicy.observe)."""
         if predicted_ms > 0 and measured_ms > 0:
-            self.value = decayed_mean(self.value, measured_ms / predicted_ms, weight)
+            first = self.first_replaces and not self.measured
+            self.value = measured_ms / predicted_ms if first else decayed_mean(self.value, measured_ms / predicted_ms, weight)
+            self.measured = True
 
 
 @dataclass
@@ -106,6 +112,10 @@ class RunningMean:
 
     def update(self, ms: float, weight: float = 1.0) -> None:
         self.value = decayed_mean(self.value, ms, weight)
+
+
+def draft_scale() -> Scale:
+    return Scale(first_replaces=True)
 
 
 def deployment_acceptance() -> AcceptanceEstimate:
@@ -137,7 +147,7 @@ class MeasuredSpeed:
 
     target_scale: Scale = field(default_factory=Scale)
     row_scales: dict[int, Scale] = field(default_factory=dict)
-    draft_scale: Scale = field(default_factory=Scale)
+    draft_scale: Scale = field(default_factory=draft_scale)
     # The deployment's recent acceptance: the prior of a new request, which otherwise would start from a guess and
     # spend its first rounds learning what every earlier request already showed. Every request's rounds feed it,
     # those that draft and those that do not (which let it drift back to its prior, so that a deployment whose
@@ -174,7 +184,7 @@ class MeasuredSpeed:
     def forget_draft(self) -> None:
         """A new draft worker: what was learned with the previous one (its speed against its curve, how often its
         tokens were accepted, what asking it cost) no longer holds."""
-        self.draft_scale = Scale()
+        self.draft_scale = draft_scale()
         self.acceptance = deployment_acceptance()
         self.draft_exchange = RunningMean()
         self.calibration = ConfidenceCalibration()
@@ -338,7 +348,14 @@ class CostModelPolicy(GammaPolicy):
             # One extra pass drafts the assumed bonus token.
             fits = int(self.verify_ms(hidden_behind) / max(self.draft_ms(1), 1e-6)) - 1
             limit = min(limit, max(1, fits))
-        return self.best_paying((gamma, self.rate(gamma, draft_hidden)) for gamma in range(1, limit + 1))
+        best = self.best_paying((gamma, self.rate(gamma, draft_hidden)) for gamma in range(1, limit + 1))
+        if not best and limit and self.draft_costs and not self.draft_scale.measured and self.rate(1, True) > self.rate(0):
+            # A model draft that is never asked is never measured: its curve, taken at start-up, may have been
+            # measured under another process's load (twice as slow as it runs, measured on the Qwen pair), and
+            # would then price out for good a draft that would pay at its real speed. Until a round has measured it,
+            # a round drafts one token (its first measurement replaces the curve's guess, see Scale).
+            return 1
+        return best
 
     def best_paying(self, rates: Iterable[tuple[int, float]]) -> int:
         """Of (gamma, tokens per second) choices, the fastest gamma, ties going to the smaller one; 0 unless it is

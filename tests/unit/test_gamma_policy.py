@@ -74,8 +74,23 @@ def test_the_measured_curve_skips_the_expensive_two_and_three_token_verifies():
     assert policy.rate(4) > policy.rate(2) and policy.rate(4) > policy.rate(3)
 
 
+def test_a_model_draft_priced_out_by_its_start_up_curve_drafts_one_token_once_to_measure_its_speed():
+    """A draft calibrated beside another worker's load looked twice as slow as it runs and was never asked, so never
+    measured: until a round has measured it, a round the cost model would not draft drafts one token."""
+    speed = MeasuredSpeed()
+    slow_curve = [(1, 30.0)]
+    first = policy_with(0.6, slow_curve, speed=speed)
+    assert first.rate(1) < first.rate(0) and first.choose(100) == 1
+    first.observe_draft(1, 8_000)  # it runs at 8 ms a token
+    assert first.choose(100) > 1 and policy_with(0.6, slow_curve, speed=speed).choose(100) > 1
+    confirmed = policy_with(0.6, slow_curve)
+    confirmed.observe_draft(1, 30_000)  # as slow as its curve: it is not asked again
+    assert confirmed.choose(100) == 0 and confirmed.choose(0) == 0
+
+
 def test_a_costly_model_draft_pays_only_when_hidden_behind_verification():
     policy = policy_with(0.4, draft_costs=[(1, 11.0)])
+    policy.observe_draft(1, 11_000)  # as fast as its curve says
     assert policy.choose(100) == 0
     # Behind a 5-token verification (50 ms) the draft has time for 4 passes: the bonus guess and 3 tokens.
     assert policy.choose(100, hidden_behind=5) == 3
@@ -155,6 +170,7 @@ def test_a_model_draft_is_tried_before_anything_is_measured():
     assert qwen_request(MeasuredSpeed()).choose(100) > 0
     pessimistic = qwen_request(MeasuredSpeed())
     pessimistic.acceptance = AcceptanceEstimate(prior=0.5)
+    pessimistic.observe_draft(1, 51_500)  # measured as fast as its curve
     assert pessimistic.choose(100) == 0
 
 
@@ -166,6 +182,7 @@ def test_one_early_rejection_does_not_stop_a_model_draft():
     assert request.choose(100) > 0
     for _ in range(6):  # but a draft that keeps missing is stopped within a few rounds
         gamma = request.choose(100)
+        request.observe_draft(gamma, gamma * 51_500)
         request.observe(drafted=gamma, accepted=0, verified_tokens=gamma + 1, verify_us=124_000, batch_size=1, batch_tokens=3)
     assert request.choose(100) == 0
 
