@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from specdec.common import startup_turn
 from specdec.common.config import (
     DEFAULT_PORTS,
     ConfigError,
@@ -49,6 +50,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level)
     options = from_arguments(args, ServerOptions)
+    # Before the imports, which take a core for seconds: a worker calibrating beside them would measure their load.
+    startup_turn.begin(options.startup_lock)
     setup_telemetry(f"specdec-{args.role}", options.metrics_port)
     try:
         return serve_role(args, options)
@@ -60,6 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"specdec serve {args.role}: cannot start: {startup_reason(error)}", file=sys.stderr)
         return 2
     finally:
+        startup_turn.end()
         shutdown_telemetry()
 
 
@@ -92,6 +96,7 @@ def serve_role(args: argparse.Namespace, options: ServerOptions) -> int:
         if not settings.target:
             print("specdec serve coordinator: --target host:port is required", file=sys.stderr)
             return 2
+        startup_turn.end()  # imported: what the coordinator does next is wait for its workers
         try:
             configs = (from_arguments(args, cls) for cls in (CoordinatorConfig, PoolSettings, HttpSettings))
             asyncio.run(serve(settings, options, *configs))

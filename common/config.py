@@ -173,6 +173,13 @@ class ServerOptions:
     max_concurrent_rpcs: int | None = setting(
         1024, "calls a server runs at once (gRPC's maximum_concurrent_rpcs); more are refused RESOURCE_EXHAUSTED"
     )
+    startup_lock: str = setting(
+        default_lock_path(),
+        "a file locked from the service's start until its model is loaded and its cost curve measured (a coordinator: "
+        "until its modules are imported), so that services on one machine start in turn and no worker measures "
+        "another's load (default: one per machine and user); 'none': no lock",
+        env="SPECDEC_STARTUP_LOCK",
+    )
 
 
 @dataclass
@@ -211,12 +218,6 @@ class WorkerConfig:
         "of the memory free after loading holds); an opening beyond it is RESOURCE_EXHAUSTED",
     )
     threads: int | None = setting(None, "compute threads (torch.set_num_threads); default: PyTorch's choice")
-    startup_lock: str = setting(
-        default_lock_path(),
-        "a file locked while the model loads and measures its cost curve, so that workers on one machine do so in "
-        "turn and none measures another's load (default: one per machine and user); 'none': no lock",
-        env="SPECDEC_STARTUP_LOCK",
-    )
     cpus: str | None = setting(None, "pin the process to these CPUs, e.g. 0 or 0-3 or 0,2")
     worker_auth_token: str | None = setting(
         None,

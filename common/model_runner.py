@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 import torch
 from transformers.cache_utils import Cache
 
+from specdec.common import startup_turn
 from specdec.common.batched_forward import clone_cache, forward_sessions, session_cache, use_ragged_attention
 from specdec.common.cost_curve import nondecreasing
 
@@ -91,7 +92,9 @@ class ModelRunner(ABC):
         a small model's pass); more than 8 tokens are split over sessions of at most 8, the way rounds of several
         sessions are batched. With fixed kernels only the first shape is warmed up, and since the cost cannot
         fall with more rows, a dip measured in a noisy moment is smoothed away (nondecreasing) instead of making
-        every pass padded to the dip (cost_curve.cheapest_rows)."""
+        every pass padded to the dip (cost_curve.cheapest_rows). In a `specdec serve` worker nothing else of specdec
+        computes on the machine meanwhile (common.startup_turn)."""
+        startup_turn.alone()
         generator = torch.Generator().manual_seed(0)
         context = torch.randint(0, vocab_size, (CALIBRATION_CONTEXT,), generator=generator).tolist()
         caches: list[Cache] = []

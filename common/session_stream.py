@@ -16,7 +16,7 @@ from specdec.common.grpc_server import create_server, set_serving
 from specdec.common.lifecycle import Lifecycle, run_until_signalled
 from specdec.common.protocol import info_to_proto
 from specdec.common.services import check_parsed
-from specdec.common.startup_turn import startup_turn
+from specdec.common import startup_turn
 from specdec.common.telemetry import context_from, run_traced
 from specdec.common.timing import elapsed_us
 from specdec.v1 import worker_pb2
@@ -31,18 +31,21 @@ async def serve_worker(
     model: str,
     options: ServerOptions,
     token: str | None = None,
-    startup_lock: str | None = None,
 ) -> None:
     """Runs a worker until SIGTERM: listening (NOT_SERVING) while load_engine() loads the model, then SERVING.
-    token: the worker token every call must carry (--worker-auth-token); startup_lock: held while loading (see
-    common.startup_turn)."""
+    token: the worker token every call must carry (--worker-auth-token). The machine's start-up lock
+    (common.startup_turn, shared by `specdec serve` before its imports) is held until the model is loaded and its cost
+    curve measured."""
     server, health_servicer, bound = await create_server(service, servicer, options, token=token)
     await server.start()
     log.info("%s listening on port %d, loading %s", service.name, bound, model)
 
     def load_in_turn():
-        with startup_turn(startup_lock):
+        startup_turn.begin(options.startup_lock)
+        try:
             return load_engine()
+        finally:
+            startup_turn.end()
 
     # On the compute thread, which runs every forward pass after it: the thread that loads (and packs and times)
     # the weights is the one whose passes are fast. Measured on SmolLM2, 2-core CPU: a verification took 46 ms on

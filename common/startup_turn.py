@@ -1,51 +1,69 @@
-"""Workers on one machine load and calibrate their models in turn.
+"""specdec services on one machine never compute beside a worker's calibration.
 
 A worker measures its cost curve when it loads (ModelRunner.cost_curve), and the coordinator's choice of gamma
-starts from it. Two workers that start together on the same cores measure each other's load: the target's curve
-then says 2 rows cost 1.6 steps, and a draft that steps in 0.3 of the target's time looks like 0.56 of it, so the
-cost model never asks it (docs/results/). The coordinator corrects the target's curve from its rounds, but a
-draft's only from rounds that draft: a draft whose curve was measured under load is never asked, and never
-corrected. An exclusive lock on one file per machine and user (flock: released by the kernel when the process
-dies) makes the second worker wait until the first serves.
+starts from it. A worker that calibrates while another process computes measures that process's load: two workers
+starting together on 2 cores gave the Qwen 1.5B a 1-token step of 123 ms instead of about 30 and its 0.5B draft 0.56
+of it instead of 0.29, so the draft was never asked (docs/results/); a coordinator importing its modules beside the
+calibration still inflated it. So every `specdec serve` shares one lock per machine and user from before its imports
+(flock: the kernel releases it when the process dies); a worker holds it alone while it calibrates, which waits for
+the others' imports and loads to finish and keeps new ones from starting; a coordinator lets go once imported, a
+worker once calibrated. Imports and loads still overlap each other.
 """
 
-import contextlib
 import fcntl
 import logging
 import os
 import tempfile
 import time
+from typing import IO
 
 log = logging.getLogger("specdec")
 
 NO_LOCK = "none"
+held: IO | None = None  # this process's lock, while it holds it (shared, or alone while calibrating)
 
 
 def default_lock_path() -> str:
     return os.path.join(tempfile.gettempdir(), f"specdec-{os.getuid()}-startup.lock")
 
 
-@contextlib.contextmanager
-def startup_turn(path: str | None):
-    """Holds the machine's start-up lock at `path` (None or "none": no lock) for the block, waiting for it first."""
-    if not path or path == NO_LOCK:
-        yield
+def take(handle: IO, mode: int, waiting_for: str) -> None:
+    try:
+        fcntl.flock(handle, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.info("waiting for %s (%s)", waiting_for, handle.name)
+        start = time.monotonic()
+        fcntl.flock(handle, mode)
+        log.info("waited %.1f s for %s", time.monotonic() - start, waiting_for)
+
+
+def begin(path: str | None) -> None:
+    """Shares the machine's start-up lock at `path` (None or "none": no lock), waiting while a worker calibrates;
+    nothing if this process holds it already. A lock that cannot be opened is logged and skipped: it must not keep a
+    service from starting."""
+    global held
+    if held is not None or not path or path == NO_LOCK:
         return
     try:
-        handle = open(path, "a")  # noqa: SIM115 - closed below, after the lock
-    except OSError as error:  # a lock that cannot be had must not keep the worker from serving
-        log.warning("start-up lock %s unavailable (%s): loading without waiting for other workers", path, error)
-        yield
+        handle = open(path, "a")  # noqa: SIM115 - kept open while held, closed by end()
+    except OSError as error:
+        log.warning("start-up lock %s unavailable (%s): starting without waiting for other services", path, error)
         return
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another worker on this machine to finish loading (%s)", path)
-            start = time.monotonic()
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            log.info("waited %.1f s for another worker's start-up", time.monotonic() - start)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    take(handle, fcntl.LOCK_SH, "another specdec service on this machine to finish calibrating")
+    held = handle
+
+
+def alone() -> None:
+    """Holds the lock alone (nothing if this process does not hold it): until end(), no other specdec service on this
+    machine imports, loads or calibrates."""
+    if held is not None:
+        take(held, fcntl.LOCK_EX, "the other specdec services on this machine to finish starting")
+
+
+def end() -> None:
+    """Lets go of the lock (nothing if not held)."""
+    global held
+    if held is not None:
+        handle, held = held, None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()

@@ -17,11 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.common.config import DEFAULT_DRAFT_MODEL, DEFAULT_PORTS, DEFAULT_TARGET_MODEL, WorkerConfig
 from specdec.draft_worker.specs import is_model_free
 
-# The best draft the project has for each target (README, "Choosing a draft"): prompt lookup for SmolLM2 and for
-# the Qwen pair too. On the gguf engine the 0.5B sibling costs 0.5x (AVX2) to 0.6-0.9x (AVX-512 on a Zen 4) a 1.5B
-# step: although it agrees with 0.85-0.92 of the 1.5B's greedy code tokens, its rounds barely beat target-only
-# where they pay at all (docs/results/), while prompt lookup drafts for free.
-DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b": DEFAULT_DRAFT_MODEL}
+# The best draft the project has for each target (docs/drafting.md, "Choosing a draft"): prompt lookup for SmolLM2;
+# suffix trees for the Qwen 1.5B, which ran an agent's editing loop at 1.74x target-only against prompt lookup's 1.46x
+# and input-grounded prompts at 1.09x against 1.06x, and open-ended prompts level with it (Zen 4, 2026-12-07). The
+# 0.5B sibling (at best 0.29 of a 1.5B step, as `#q4_1#vocab=32768`) pays 1.05-1.15x on open-ended prompts, but
+# on a draft worker beside the suffix trees it ran the editing loop at 1.33x (docs/results/).
+DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b": "suffix"}
 # Where the default deployment (`specdec up`, `make demo`, the llama-cpp suite's default) runs a model-free draft:
 # in the coordinator. A draft worker adds an exchange to every round that asks it, including the asks that find no
 # proposal; with the gguf engine's 7-30 ms steps that no longer hides. Measured on the 1.5B, 8 clients, prompt

@@ -137,15 +137,7 @@ def load_draft_engine(config: DraftWorkerConfig) -> DraftEngine:
 
 async def serve(config: DraftWorkerConfig, options: ServerOptions) -> None:
     servicer = DraftServicer(idle_timeout=options.session_idle_timeout)
-    await serve_worker(
-        SERVICE,
-        servicer,
-        lambda: load_draft_engine(config),
-        config.model,
-        options,
-        config.worker_auth_token,
-        config.startup_lock,
-    )
+    await serve_worker(SERVICE, servicer, lambda: load_draft_engine(config), config.model, options, config.worker_auth_token)
 
 
 async def start_draft_server(

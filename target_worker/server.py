@@ -124,7 +124,7 @@ async def serve(config: WorkerConfig, options: ServerOptions) -> None:
             prefix_cache_tokens=config.prefix_cache_tokens,
         )
 
-    await serve_worker(SERVICE, servicer, load_engine, config.model, options, config.worker_auth_token, config.startup_lock)
+    await serve_worker(SERVICE, servicer, load_engine, config.model, options, config.worker_auth_token)
 
 
 async def start_target_server(

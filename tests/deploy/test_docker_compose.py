@@ -45,8 +45,8 @@ def test_services_export_traces_to_jaeger_and_share_a_model_cache(services):
         assert any(v["target"] == "/models" for v in services[name]["volumes"])
 
 
-def test_the_workers_load_and_calibrate_in_turn_through_one_lock_on_their_shared_volume(services):
-    locks = {services[name]["environment"]["SPECDEC_STARTUP_LOCK"] for name in WORKERS}
+def test_the_services_share_one_start_up_lock_on_their_shared_volume(services):
+    locks = {services[name]["environment"]["SPECDEC_STARTUP_LOCK"] for name in (*WORKERS, "coordinator")}
     assert len(locks) == 1 and locks.pop().startswith("/models/")
 
 
