@@ -175,9 +175,9 @@ class ServerOptions:
     )
     startup_lock: str = setting(
         default_lock_path(),
-        "a file locked from the service's start until its model is loaded and its cost curve measured (a coordinator: "
-        "until its modules are imported), so that services on one machine start in turn and no worker measures "
-        "another's load (default: one per machine and user); 'none': no lock",
+        "a file every specdec service on this machine shares while it starts (imports, loads) and a worker holds alone "
+        "while it measures its cost curve, so that no curve measures another service's load (default: one per machine "
+        "and user); 'none': no lock",
         env="SPECDEC_STARTUP_LOCK",
     )
 

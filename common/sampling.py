@@ -39,6 +39,12 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def seeded_sample(self) -> bool:
+        """Sampled with a seed: the same request must give the same text, so nothing that depends on timings or on
+        other requests may decide how its random streams are consumed (its gamma, its drafts)."""
+        return self.seed is not None and not self.greedy
+
+    @property
     def adjusts_logits(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
 

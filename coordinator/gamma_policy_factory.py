@@ -24,8 +24,7 @@ def timings_choose_gamma(params: GenerationParams) -> bool:
     request must not let timings choose it, or the same seed would give different text on another replica or after
     a restart."""
     sampling = params.sampling
-    seeded = sampling.seed is not None and not sampling.greedy
-    return params.num_speculative_tokens < 0 and params.gamma_schedule != "heuristic" and not seeded
+    return params.num_speculative_tokens < 0 and params.gamma_schedule != "heuristic" and not sampling.seeded_sample
 
 
 def defers_draft(draft: WorkerInfo | None, params: GenerationParams) -> bool:

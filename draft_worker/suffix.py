@@ -32,8 +32,11 @@ SUFFIX_DEFAULTS = {
 class SuffixDraftSession:
     cached = 0
 
-    def __init__(self, prompt: list[int], depth: int, max_tokens: int):
+    def __init__(self, prompt: list[int], depth: int, max_tokens: int, reads_shared: bool = True):
         self.tree = SuffixTree(depth)
+        # A seeded sample's drafts come from its own text only: drafts decide how its random streams are consumed,
+        # and the global tree holds whatever other requests answered before (the same seed would give other text).
+        self.reads_shared = reads_shared
         self.cursor = self.tree.cursor()
         self.tree.append(self.cursor, prompt)
         self.tokens = list(prompt)  # committed
@@ -81,7 +84,7 @@ class SuffixProposer(Proposer):
         return cls(params["depth"], params["factor"], params["min_prob"], params["global"])
 
     def open(self, prompt: list[int], params: SamplingParams, max_q_entries: int, max_tokens: int) -> SuffixDraftSession:
-        return SuffixDraftSession(prompt, self.depth, max_tokens)
+        return SuffixDraftSession(prompt, self.depth, max_tokens, reads_shared=not params.seeded_sample)
 
     def observe(self, state: SuffixDraftSession, num_accepted: int, committed: list[int]) -> None:
         new = state.chain[:num_accepted] + committed
@@ -94,7 +97,7 @@ class SuffixProposer(Proposer):
         and which tree it came from."""
         context = state.tokens + state.chain if state.chain else state.tokens
         own = state.tree.speculate(context, num_tokens, self.max_match, self.factor, self.min_prob)
-        if self.shared is None:
+        if self.shared is None or not state.reads_shared:
             return own, DraftSource.SUFFIX_REQUEST
         with self.lock:
             shared = self.shared.tree.speculate(context, num_tokens, self.max_match, self.factor, self.min_prob)

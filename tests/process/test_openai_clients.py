@@ -151,7 +151,10 @@ def test_the_official_sdk(service):
     assert call.function.arguments == off.choices[0].message.tool_calls[0].function.arguments
     stream = chat(dict(ON), messages=ASK_WEATHER, max_tokens=60, stream=True, **tools)
     deltas = [d for chunk in stream for d in (chunk.choices[0].delta.tool_calls or [])]
-    assert deltas[0].function.name == "get_weather" and len(deltas) > 3
+    # Streamed in pieces that add up to the whole call (a round may carry many tokens: the suffix trees copy the
+    # arguments of the same call answered just before).
+    assert deltas[0].function.name == "get_weather" and len(deltas) > 1
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
     # n: distinct choices with their own seeds, the same again with the same seed; each choice speculates
@@ -163,7 +166,8 @@ def test_the_official_sdk(service):
     open_question = [{"role": "user", "content": "Write a Python one-liner that reverses a string s."}]
     three, again = sample(open_question, 16), sample(open_question, 16)
     texts = [c.message.content for c in sorted(three.choices, key=lambda c: c.index)]
-    assert len(set(texts)) == 3 and texts == [c.message.content for c in sorted(again.choices, key=lambda c: c.index)]
+    # Each choice samples with its own seed (two may still agree on a short, likely answer); the same seed, the same texts.
+    assert len(set(texts)) > 1 and texts == [c.message.content for c in sorted(again.choices, key=lambda c: c.index)]
     before = service.drafted()
     edits = sample(messages, 40)
     assert len(edits.choices) == 3 and service.drafted() > before

@@ -144,7 +144,7 @@ def test_a_session_tree_is_extended_by_what_the_target_commits_never_rebuilt():
     assert tree_counts(state.tree) == tree_counts(rebuilt)
 
 
-def test_the_global_tree_proposes_what_an_earlier_request_answered():
+def test_the_global_tree_proposes_what_an_earlier_request_answered_except_to_a_seeded_sample():
     proposer = SuffixProposer()
     first = proposer.open([1, 2, 3], GREEDY, 0, 64)
     answer = [10, 11, 12, 13, 14, 15, 16, 17]
@@ -153,6 +153,10 @@ def test_the_global_tree_proposes_what_an_earlier_request_answered():
     second = proposer.open([4, 5, 10, 11, 12, 13], GREEDY, 0, 64)  # no earlier occurrence in its own text
     proposal = proposer.propose([second], [(8, False)])[0]
     assert proposal.token_ids == [14, 15, 16, 17] and all(float(q.probs[0]) == 1.0 for q in proposal.distributions)
+    seeded = proposer.open([4, 5, 10, 11, 12, 13], SamplingParams(temperature=1.0, seed=7), 0, 64)
+    assert proposer.propose([seeded], [(8, False)])[0].token_ids == []  # its drafts must not depend on other requests
+    unseeded = proposer.open([4, 5, 10, 11, 12, 13], SamplingParams(temperature=1.0), 0, 64)
+    assert proposer.propose([unseeded], [(8, False)])[0].token_ids == [14, 15, 16, 17]
     private = SuffixProposer(global_tokens=0)
     first = private.open([1, 2, 3], GREEDY, 0, 64)
     private.observe(first, 0, answer)
