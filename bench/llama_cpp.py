@@ -12,7 +12,9 @@ Measured, in one run:
    prompts, greedy, `max_new_tokens` tokens, through specdec's services (target-only and auto gamma with the
    target's default draft, with prompt lookup and with the model draft) and through llama.cpp: in this process
    plain and with prompt lookup, and llama-server (bench.llama_server) plain and with the draft model (`-md`).
-   Every specdec output is checked against specdec's own target-only output;
+   Every specdec output is checked against specdec's own target-only output. Suffix trees run without their
+   global tree (measured_draft): every prompt runs once per repeat, and the shared tree would copy the answer it
+   gave the same prompt before;
 3. CONCURRENT_CLIENTS clients at once, the default deployment against llama-server with as many parallel slots
    (`-np`): aggregate tokens/s, waves interleaved.
 """
@@ -31,7 +33,7 @@ from specdec.common.model_specs import base_model, gguf_path
 from specdec.common.models import load_model
 from specdec.coordinator.client import GenerationClient
 from specdec.coordinator.cluster import MODEL_FREE_DRAFT_IN_COORDINATOR, Cluster, default_draft_for, free_port, model_draft_for
-from specdec.draft_worker.specs import is_ngram
+from specdec.draft_worker.specs import is_model_free
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 CATEGORIES = ("code", "input-grounded")
@@ -279,11 +281,20 @@ def report(config: LlamaCppConfig, curves: dict, table: dict, identical: dict, m
     return "\n".join(lines)
 
 
+def measured_draft(draft: str) -> str:
+    """The draft as the suite runs it: suffix trees without their global tree (`global=0`), which would hold the
+    warm-up's and earlier repeats' answers to the very prompts measured, and copy them."""
+    if draft.split(":")[0] == "suffix" and "global=" not in draft:
+        return f"{draft}{',' if ':' in draft else ':'}global=0"
+    return draft
+
+
 def run_llama_cpp(config: LlamaCppConfig) -> Path:
     out = Path(config.output_root) / config.name
     out.mkdir(parents=True, exist_ok=True)
     target_file = gguf_path(config.target_model)
-    model_draft = next((d for d in (config.draft_model, model_draft_for(config.target_model)) if d and not is_ngram(d)), None)
+    drafts = (config.draft_model, model_draft_for(config.target_model))
+    model_draft = next((d for d in drafts if d and not is_model_free(d)), None)
     draft_base = base_model(model_draft) if model_draft else None
     models = [config.target_model] + ([draft_base] if draft_base and gguf_path(draft_base) else [])
     curves = {}
@@ -313,7 +324,7 @@ def run_llama_cpp(config: LlamaCppConfig) -> Path:
             with_draft = serve("llama-server-md", draft=draft_file)
             peers[f"llama-server -md {draft_base}"] = lambda p: llama_run(with_draft, p, config.max_new_tokens)
         rows, concurrent = [], []
-        for draft in dict.fromkeys(d for d in (config.draft_model, "ngram", model_draft) if d):
+        for draft in dict.fromkeys(measured_draft(d) for d in (config.draft_model, "ngram", model_draft) if d):
             first = not rows
             single_rows, concurrent_part = run_cluster_systems(
                 config, draft, prompts, peers if first else {}, out, parallel if first else None
