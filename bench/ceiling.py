@@ -28,6 +28,7 @@ from pathlib import Path
 
 from specdec.bench.drafting import editing_requests, grounded_requests
 from specdec.bench.runner import load_prompts
+from specdec.common.sampling import SamplingParams
 from specdec.draft_worker.suffix import SuffixProposer
 from specdec.draft_worker.suffix_tree import Speculation
 
@@ -101,7 +102,7 @@ def rated_prefix(speculation: Speculation, cost: Callable[[int], float]) -> int:
 
 def suffix_rounds(proposer: SuffixProposer, prompt: list[int], output: list[int], cost, exact: bool):
     """(rounds, cost in steps) of the suffix proposer over one output; its global tree then holds the output."""
-    state = proposer.open(prompt, None, 0, len(prompt) + len(output))
+    state = proposer.open(prompt, SamplingParams(temperature=0), 0, len(prompt) + len(output))
     rounds, spent, i = 0, 0.0, 0
     while i < len(output):
         speculation, _ = proposer.speculate(state, min(CAP, len(output) - i - 1))
