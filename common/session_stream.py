@@ -8,7 +8,7 @@ import time
 
 from google.protobuf.descriptor import ServiceDescriptor
 
-from specdec.common import errors
+from specdec.common import errors, startup_turn
 from specdec.common.batcher import Batcher
 from specdec.common.config import ServerOptions
 from specdec.common.grpc_errors import reports_errors
@@ -16,7 +16,6 @@ from specdec.common.grpc_server import create_server, set_serving
 from specdec.common.lifecycle import Lifecycle, run_until_signalled
 from specdec.common.protocol import info_to_proto
 from specdec.common.services import check_parsed
-from specdec.common import startup_turn
 from specdec.common.telemetry import context_from, run_traced
 from specdec.common.timing import elapsed_us
 from specdec.v1 import worker_pb2

@@ -1,10 +1,10 @@
 """specdec services on one machine never compute beside a worker's calibration.
 
 A worker measures its cost curve when it loads (ModelRunner.cost_curve), and the coordinator's choice of gamma
-starts from it. A worker that calibrates while another process computes measures that process's load: two workers
-starting together on 2 cores gave the Qwen 1.5B a 1-token step of 123 ms instead of about 30 and its 0.5B draft 0.56
-of it instead of 0.29, so the draft was never asked (docs/results/); a coordinator importing its modules beside the
-calibration still inflated it. So every `specdec serve` shares one lock per machine and user from before its imports
+starts from it. A worker that calibrates while another process computes measures that process's load, and a draft
+whose curve says it is slower than it is may never be asked
+(docs/results/2026-12-07-start-up-lock-and-the-qwen-drafts.md); a coordinator importing its modules beside the
+calibration inflates it too. So every `specdec serve` shares one lock per machine and user from before its imports
 (flock: the kernel releases it when the process dies); a worker holds it alone while it calibrates, which waits for
 the others' imports and loads to finish and keeps new ones from starting; a coordinator lets go once imported, a
 worker once calibrated. Imports and loads still overlap each other.

@@ -18,10 +18,9 @@ from specdec.common.config import DEFAULT_DRAFT_MODEL, DEFAULT_PORTS, DEFAULT_TA
 from specdec.draft_worker.specs import is_model_free
 
 # The best draft the project has for each target (docs/drafting.md, "Choosing a draft"): prompt lookup for SmolLM2;
-# suffix trees for the Qwen 1.5B, which ran an agent's editing loop at 1.74x target-only against prompt lookup's 1.46x
-# and input-grounded prompts at 1.09x against 1.06x, and open-ended prompts level with it (Zen 4, 2026-12-07). The
-# 0.5B sibling (at best 0.29 of a 1.5B step, as `#q4_1#vocab=32768`) pays 1.05-1.15x on open-ended prompts, but
-# on a draft worker beside the suffix trees it ran the editing loop at 1.33x (docs/results/).
+# suffix trees for the Qwen 1.5B, ahead of prompt lookup on an agent's editing loop and on input-grounded prompts and
+# level with it on open-ended ones; the 0.5B sibling as a model draft pays a little on open-ended prompts only, and
+# loses on the editing loop (docs/results/2026-12-07-start-up-lock-and-the-qwen-drafts.md).
 DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b": "suffix"}
 # Where the default deployment (`specdec up`, `make demo`, the llama-cpp suite's default) runs a model-free draft:
 # in the coordinator. A draft worker adds an exchange to every round that asks it, including the asks that find no
@@ -31,8 +30,7 @@ DEFAULT_DRAFTS = {DEFAULT_TARGET_MODEL: DEFAULT_DRAFT_MODEL, "qwen2.5-coder-1.5b
 MODEL_FREE_DRAFT_IN_COORDINATOR = True
 # The model draft of a target that has a sibling sharing its tokenizer (what the pair, drafting and llama-cpp benches
 # compare): the cheapest exact variant of the sibling on the gguf engine, its layers in Q4_1 and its head over the
-# 32768 most frequent tokens, whose step costs about 0.3 of the 1.5B's on a Zen 4 against 0.5 for the plain 0.5B,
-# at much the same acceptance (docs/results/).
+# 32768 most frequent tokens, at much the same acceptance as the plain 0.5B (docs/engines.md, "The Qwen2.5-Coder pair").
 MODEL_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b#q4_1#vocab=32768"}
 # Spins of an idle OpenMP thread before it sleeps, in workers that share the cores with another model worker.
 SHARED_CORES_SPIN_COUNT = 10_000

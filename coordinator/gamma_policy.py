@@ -351,7 +351,7 @@ class CostModelPolicy(GammaPolicy):
         best = self.best_paying((gamma, self.rate(gamma, draft_hidden)) for gamma in range(1, limit + 1))
         if not best and limit and self.draft_costs and not self.draft_scale.measured and self.rate(1, True) > self.rate(0):
             # A model draft that is never asked is never measured: its curve, taken at start-up, may have been
-            # measured under another process's load (twice as slow as it runs, measured on the Qwen pair), and
+            # measured under another process's load (docs/results/2026-12-07-start-up-lock-and-the-qwen-drafts.md), and
             # would then price out for good a draft that would pay at its real speed. Until a round has measured it,
             # a round drafts one token (its first measurement replaces the curve's guess, see Scale).
             return 1

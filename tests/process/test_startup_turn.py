@@ -55,7 +55,7 @@ def test_services_share_the_lock_while_starting_and_a_calibrating_worker_holds_i
         [
             sys.executable,
             "-c",
-            f"import time; from specdec.common import startup_turn; startup_turn.begin({str(lock)!r}); "
+            f"from specdec.common import startup_turn; startup_turn.begin({str(lock)!r}); "
             "print('shared', flush=True); input(); startup_turn.alone(); print('alone', flush=True); input()",
         ],
         stdin=subprocess.PIPE,
