@@ -62,6 +62,20 @@ def q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+# Q4_K's codes in the kernels' grouped-lane order (kernels.cpp): a superblock's 128 bytes as 32 four-byte elements,
+# the file's element 8c + u (group pair c's weights 4u..4u+3: group 2c's in the low nibbles, 2c + 1's in the high
+# ones) stored as element 8k + j with c = j % 4 and u = 2k + j // 4, so that lane j of each 32 bytes holds group pair
+# j % 4. Q4_K_GROUPED[e] is the file's element stored as element e.
+Q4_K_GROUPED = np.array([8 * (j % 4) + 2 * k + j // 4 for k in range(4) for j in range(8)])
+Q4_K_FILE = np.argsort(Q4_K_GROUPED)  # the inverse: where the file's element e is stored
+
+
+def q4_k_grouped(codes: np.ndarray) -> np.ndarray:
+    """Q4_K's codes [..., superblocks, 128] in the file's order -> the same bytes in grouped-lane order."""
+    elements = codes.reshape(*codes.shape[:-1], 32, 4)
+    return np.ascontiguousarray(elements[..., Q4_K_GROUPED, :]).reshape(codes.shape)
+
+
 def pack_q4_k(raw: np.ndarray, n: int, k: int) -> PackedWeight:
     b = blocks(raw, n, 144)  # d fp16, dmin fp16, scales[12], qs[128]
     sc, mn = q4_k_scales(b[..., 4:16])
@@ -70,7 +84,7 @@ def pack_q4_k(raw: np.ndarray, n: int, k: int) -> PackedWeight:
         n,
         k,
         (
-            torch.from_numpy(np.ascontiguousarray(b[..., 16:144]).reshape(n, k // 2)),
+            torch.from_numpy(q4_k_grouped(b[..., 16:144]).reshape(n, k // 2)),
             torch.from_numpy(np.ascontiguousarray(sc).reshape(n, k // 32)),
             torch.from_numpy(np.ascontiguousarray(mn).reshape(n, k // 32)),
             torch.from_numpy(fp16(b[..., 0:2])),
@@ -246,6 +260,7 @@ def dequantize(weight: PackedWeight) -> torch.Tensor:
     t = [x.double() if x.is_floating_point() else x.long() for x in tensors]
     if weight.kernel == "q4k":
         codes, sc, mn, d, dmin = t
+        codes = codes.reshape(n, k // 256, 32, 4)[:, :, torch.from_numpy(Q4_K_FILE)]  # back to the file's order
         low, high = codes.reshape(n, k // 64, 32) & 0xF, codes.reshape(n, k // 64, 32) >> 4
         q = torch.stack([low, high], dim=2).reshape(n, k // 32, 32).double()
         groups = d.repeat_interleave(8, dim=1) * sc, dmin.repeat_interleave(8, dim=1) * mn

@@ -188,10 +188,11 @@ struct Q4KTiles {
         const Q4K col = w.row(n);
         for (int64_t s = 0; s < superblocks; ++s) {
             const __m512i scales = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i*)(col.sc + s * 8))));
+            __m256i chunks[4];  // the file's order (the codes are stored in grouped-lane order)
+            q4k_file_chunks(col.codes + s * 128, chunks);
             for (int c = 0; c < 4; ++c) {
                 // Chunk c: weights 64c..64c+31 (group 2c) as the low nibbles, 64c+32.. (group 2c + 1) the high ones.
-                const __m512i codes = _mm512_and_si512(
-                    _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(col.codes + s * 128 + c * 32))), nibble), low);
+                const __m512i codes = _mm512_and_si512(_mm512_srlv_epi16(_mm512_broadcast_i64x4(chunks[c]), nibble), low);
                 // The products code * sc of every code 0..15 for both groups, as two 16-byte tables per part.
                 const __m512i pick = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((int16_t)(2 * c))),
                                                         _mm256_set1_epi16((int16_t)(2 * c + 1)), 1);

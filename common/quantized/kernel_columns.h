@@ -81,17 +81,31 @@ inline void gather_columns(const float* v, int64_t groups, const int64_t* col, f
     }
 }
 
-// Each weight row's group pair c of Q4_K (32 bytes: weight i of group 2c in the low nibble of byte i, weight i of
-// group 2c + 1 in the high one) for the tile's columns col[0..7] (the last tile of a call repeats its last column
-// where it has fewer than 8), transposed: int32 lane i of r[j] holds bytes 4j..4j+3 of column i, whose low nibbles
-// are then group 2c's weights 4j..4j+3 and whose high ones group 2c + 1's. The next tile's lines are prefetched.
-SPECDEC_INLINE void nibble_codes(const uint8_t* codes, int64_t k, const int64_t* col, int64_t c, __m256i r[8]) {
+// Stored vector v (32 bytes) of superblock s of Q4_K (codes in grouped-lane order, kernels.cpp) for the tile's
+// columns col[0..7] (the last tile of a call repeats its last column where it has fewer than 8), transposed: stored
+// element 8v + j is the file's element 8 (j % 4) + 2v + j / 4, so int32 lane i of r[c] (r[c + 4]) holds the file's
+// bytes 4u..4u + 3 of column i's group pair c, for unit u = 2v (2v + 1): 32 bytes with weight i of group 2c in the
+// low nibble of byte i and weight i of group 2c + 1 in the high one. The next tile's lines are prefetched.
+SPECDEC_INLINE void q4k_tile_vector(const uint8_t* codes, int64_t k, const int64_t* col, int64_t s, int v, __m256i r[8]) {
     const int64_t bytes = k / 2;
     for (int i = 0; i < 8; ++i) {
-        r[i] = _mm256_loadu_si256((const __m256i*)(codes + col[i] * bytes + c * 32));
-        if (!(c & 1)) _mm_prefetch((const char*)(codes + (col[i] + kColumns) * bytes + c * 32), _MM_HINT_T0);
+        r[i] = _mm256_loadu_si256((const __m256i*)(codes + col[i] * bytes + s * 128 + v * 32));
+        if (!(v & 1)) _mm_prefetch((const char*)(codes + (col[i] + kColumns) * bytes + s * 128 + v * 32), _MM_HINT_T0);
     }
     transpose8x8(r);
+}
+
+// Half h (units 4h..4h + 3, stored vectors 2h and 2h + 1) of superblock s for the tile's columns: r[c][u] holds
+// unit 4h + u of group pair c, as q4k_tile_vector lays it out.
+SPECDEC_INLINE void q4k_tile_codes(const uint8_t* codes, int64_t k, const int64_t* col, int64_t s, int h, __m256i r[4][4]) {
+    for (int v = 2 * h; v < 2 * h + 2; ++v) {
+        __m256i t[8];
+        q4k_tile_vector(codes, k, col, s, v, t);
+        for (int c = 0; c < 4; ++c) {
+            r[c][2 * (v - 2 * h)] = t[c];
+            r[c][2 * (v - 2 * h) + 1] = t[c + 4];
+        }
+    }
 }
 
 // Q4_1's, Q8_0's and Q5_0's codes are stored tile by tile already transposed (formats.py, TILED): a tile's 32-byte
@@ -335,7 +349,7 @@ template <int R> struct Q80Columns {
 };
 
 // ---- Q4_K: 4-bit codes in Q4_1's layout, per 32 weights a 6-bit scale sc and minimum mn, per 256 d and dmin ------
-// w = d * sc_g * code - dmin * mn_g. The tile's codes as Q4_1's (nibble_codes); per superblock s, row r and lane i
+// w = d * sc_g * code - dmin * mn_g. The tile's codes as Q4_1's (q4k_tile_codes); per superblock s, row r and lane i
 // (column i), in the Totals numerics of the row kernels (kernel_rows.h), so that both give the same bits:
 //   p_g    = sum over j < 8 of maddubs(codes_g(j), q[32g + 4j..32g + 4j + 3] broadcast)   int16 <= 30480, as Q4_1's
 //   T      = sum over the 8 groups g of madd(p_g, (sc_g, sc_g))     = sum of sc_g * code * q: the exact int32 total
@@ -400,6 +414,32 @@ SPECDEC_INLINE void q4k_group(Codes codes, __m256i scale, const GroupRows<R>& x,
     for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(p[r], scale));
 }
 
+// Units 4h..4h + 3 of group g, codes(j) holding unit 4h + j: q4k_group's integer in halves (a group's total in
+// parts is the same integer). With VNNI, t fits in int16 (|t| <= 16 * 15 * 127), so madd by (sc_g, 0) multiplies
+// it, where a whole group's needs mullo.
+template <int R, class Codes>
+SPECDEC_INLINE void q4k_half_group(Codes codes, __m256i scale, const GroupRows<R>& x, int64_t g, int h, __m256i* total) {
+    const int64_t at = g * 32 + 16 * h;
+    if constexpr (kDpbusd) {
+        __m256i t[R];
+        for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const __m256i v = codes(j);
+            for (int r = 0; r < R; ++r) t[r] = dot4_add(t[r], v, broadcast4(x.q[r] + at + 4 * j));
+        }
+        const __m256i sc = _mm256_and_si256(scale, _mm256_set1_epi32(0xFFFF));
+        for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(t[r], sc));
+        return;
+    }
+    __m256i p[R];
+    for (int r = 0; r < R; ++r) p[r] = _mm256_maddubs_epi16(codes(0), broadcast4(x.q[r] + at));
+    for (int j = 1; j < 4; ++j) {
+        const __m256i v = codes(j);
+        for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(v, broadcast4(x.q[r] + at + 4 * j)));
+    }
+    for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(p[r], scale));
+}
+
 // The end of superblock s for R rows: the minimums' total and both fused multiply-adds.
 template <int R>
 SPECDEC_INLINE void q4k_superblock_end(const __m256i* scales, const ColumnTile& t, const GroupRows<R>& x, int64_t s, const __m256i* total,
@@ -424,7 +464,9 @@ inline void store_difference(const __m256* acc, const __m256* acc_min, float** o
 
 template <int R> struct Q4KColumns {
     static constexpr int kRows = kDpbusd ? kRowTile : kColumnRows;
-    static constexpr bool kFused = true;
+    // AVX2 runs these tiles only from kQ4KColumnRows rows, more than a fused call takes (and its fused form, compiled
+    // beside the unpacked one, made that one slower: docs/engines.md).
+    static constexpr bool kFused = kDpbusd;
     static void unpacked(const Q4K&, const int64_t*, const ColumnTile& t, const QuantizedRows& a, int64_t first, float** out, int64_t n0, int valid) {
         const GroupRows<R> x(a, first, t);
         __m256 acc[R], acc_min[R];
@@ -451,11 +493,14 @@ template <int R> struct Q4KColumns {
             q4k_scales(w, col, s, scales);
             __m256i total[R];
             for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_si256();
-            for (int c = 0; c < 4; ++c) {
-                __m256i v[8];
-                nibble_codes(w.codes, w.k, col, s * 4 + c, v);
-                q4k_group<R>([&](int j) { return _mm256_and_si256(v[j], low); }, scales[2 * c], x, s * 8 + 2 * c, total);
-                q4k_group<R>([&](int j) { return _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low); }, scales[2 * c + 1], x, s * 8 + 2 * c + 1, total);
+            for (int h = 0; h < 2; ++h) {  // half the units at a time: 16 vectors of codes live, not 32
+                __m256i v[4][4];
+                q4k_tile_codes(w.codes, w.k, col, s, h, v);
+                for (int c = 0; c < 4; ++c) {
+                    q4k_half_group<R>([&](int j) { return _mm256_and_si256(v[c][j], low); }, scales[2 * c], x, s * 8 + 2 * c, h, total);
+                    q4k_half_group<R>([&](int j) { return _mm256_and_si256(_mm256_srli_epi16(v[c][j], 4), low); }, scales[2 * c + 1], x,
+                                      s * 8 + 2 * c + 1, h, total);
+                }
             }
             q4k_superblock_end<R>(scales, t, x, s, total, acc, acc_min);
         }
@@ -464,7 +509,19 @@ template <int R> struct Q4KColumns {
 };
 
 inline void unpack_q4k(const Q4K& w, const int64_t* col, ColumnTile& t) {
-    unpack_nibbles([&](int64_t c, __m256i* r) { nibble_codes(w.codes, w.k, col, c, r); }, t);
+    // As unpack_nibbles lays out Q4_1's: group g's unit j at t.codes[8g + j].
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t s = 0; s < t.groups / 8; ++s)
+        for (int v = 0; v < 4; ++v) {
+            __m256i r[8];
+            q4k_tile_vector(w.codes, w.k, col, s, v, r);
+            for (int c = 0; c < 4; ++c)
+                for (int e = 0; e < 2; ++e) {
+                    const int64_t g = 8 * s + 2 * c, j = 2 * v + e;
+                    t.codes[g * 8 + j] = _mm256_and_si256(r[c + 4 * e], low);
+                    t.codes[(g + 1) * 8 + j] = _mm256_and_si256(_mm256_srli_epi16(r[c + 4 * e], 4), low);
+                }
+        }
     t.scales.resize(t.groups / 8 * 12);
     for (int64_t s = 0; s < t.groups / 8; ++s) q4k_scales(w, col, s, &t.scales[s * 12]);
 }

@@ -8,20 +8,25 @@
 // Both instruction sets compute the same exact integer sums and then the same float operations in the same order,
 // so they agree bit for bit: which one a machine runs never changes a result.
 
-// A tile's activation rows: their int8 codes, block scales and group sums.
+// A tile's activation rows: their int8 codes (Q4_K's also in grouped-lane order), block scales and group sums.
 template <int R>
 struct RowTile {
     const int8_t* q[R];
+    const int8_t* grouped[R];
     const float* scale[R];
     const int16_t* sums[R];
     RowTile(const QuantizedRows& a, const int64_t* rows) {
-        for (int r = 0; r < R; ++r) { q[r] = a.row_q(rows[r]); scale[r] = a.row_scale(rows[r]); sums[r] = a.row_sums(rows[r]); }
+        for (int r = 0; r < R; ++r) {
+            q[r] = a.row_q(rows[r]);
+            grouped[r] = a.row_grouped(rows[r]);
+            scale[r] = a.row_scale(rows[r]);
+            sums[r] = a.row_sums(rows[r]);
+        }
     }
 };
 
 // ---- Q4_K: 4-bit codes, per 256: d, dmin; per 32: 6-bit scale and min --------------------------------------
-// codes [N, K/2]: in each 64 weights, byte i holds weight i (low nibble) and weight 32 + i (high nibble).
-// w = d * sc[g] * code - dmin * mn[g].
+// codes [N, K/2] in grouped-lane order (kernels.cpp). w = d * sc[g] * code - dmin * mn[g].
 
 // The float accumulation of Q4_K and Q6_K, in one of two numerics (Numerics in kernels.cpp), each written once for
 // every kernel that runs it:
@@ -142,23 +147,33 @@ struct Q4KAcc<R, Totals> {
     }
 };
 
-// Superblock s of a one-row weight w for a tile's rows: isum[r], row r's int32 lanes of the sum of sc * code * q;
-// returns the superblock's 8 group minimums as int16.
+// Superblock s of one-row weights for a tile's rows: isum[r], row r's int32 lanes. Lane j holds, for group pair
+// h = j % 4 and the units u = j / 4, 2 + j / 4, 4 + j / 4, 6 + j / 4 (4 weights each) of both its groups,
+//   E_j = sum of code * q over those 16 weights of group 2h,  O_j = the same over group 2h + 1,
+//   lane j = sc[2h] * E_j + sc[2h + 1] * O_j
+// exact integers, whichever of the two forms below computes them (so both give the same bits):
+//   scaled  per 32 bytes k of the weights, maddubs of the low (high) nibbles and the activations' grouped bytes 64k
+//           (64k + 32), then dot_add by the lanes' sc[2h] (sc[2h + 1]) as int16: the file kernels' instructions.
+//   pairs   dot4 (dpbusd) of the same into E and O, then one madd of the int16 pair (E_j, O_j) by (sc[2h],
+//           sc[2h + 1]) (|E_j|, |O_j| <= 16 * 15 * 127 < 2^15): half the products, for C output columns that share
+//           each load of the activations: VNNI's 4-row tiles. Tiles of 1-3 rows keep one column and the scaled
+//           form, which ran faster there (a pass of 1-2 rows streams the weights from memory, and two weight rows
+//           at once read them more slowly: docs/engines.md).
 template <int R>
-inline __m128i q4k_superblock(const Q4K& w, int64_t s, const RowTile<R>& x, __m256i* isum) {
+inline void q4k_superblock_scaled(const Q4K& w, int64_t s, const RowTile<R>& x, __m256i* isum) {
     const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.sc + s * 8))));
+    const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                                                      0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13));
+    const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                                                                      2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15));
     __m256i isum2[R];  // a second chain for few rows (see kSplit)
     for (int r = 0; r < R; ++r) isum[r] = isum2[r] = _mm256_setzero_si256();
-    // The 8 group scales as int16, in both 128-bit halves: one shuffle then broadcasts any of them.
-    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.sc + s * 8))));
-    for (int c = 0; c < 4; ++c) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(w.codes + s * 128 + c * 32));
-        const __m256i lo = _mm256_and_si256(v, low);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        const __m256i s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((int16_t)(((4 * c + 1) << 8) | (4 * c))));
-        const __m256i s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((int16_t)(((4 * c + 3) << 8) | (4 * c + 2))));
+    for (int k = 0; k < 4; ++k) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w.codes + s * 128 + k * 32));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int r = 0; r < R; ++r) {
-            const int8_t* q = x.q[r] + s * 256 + c * 64;
+            const int8_t* q = x.grouped[r] + s * 256 + k * 64;
             const __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)q));
             const __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q + 32)));
             if constexpr (R <= kSplit) {
@@ -171,22 +186,58 @@ inline __m128i q4k_superblock(const Q4K& w, int64_t s, const RowTile<R>& x, __m2
     }
     if constexpr (R <= kSplit)
         for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], isum2[r]);
-    return _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.mn + s * 8)));
 }
 
-template <int R, class N>
-void q4k_rows(const Q4K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
-    const Q4K w = weights.row(n);
-    const uint8_t* ahead = w.codes + prefetch_rows(w.k / 2) * (w.k / 2);  // the same superblock, rows further on
-    const RowTile<R> x(a, rows);
-    Q4KAcc<R, N> acc;
-    for (int64_t s = 0; s < w.k / 256; ++s) {
-        prefetch(ahead + s * 128, 128);
-        __m256i isum[R];
-        const __m128i mins = q4k_superblock<R>(w, s, x, isum);
-        acc.add(isum, mins, x, s, w.d[s], w.dmin[s]);
+template <int C, int R>
+inline void q4k_superblock_pairs(const Q4K* w, int64_t s, const RowTile<R>& x, __m256i (*isum)[R]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i e[C][R], o[C][R];
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r) e[c][r] = o[c][r] = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+        __m256i lo[C], hi[C];
+        for (int c = 0; c < C; ++c) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(w[c].codes + s * 128 + k * 32));
+            lo[c] = _mm256_and_si256(v, low);
+            hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        for (int r = 0; r < R; ++r) {
+            const int8_t* q = x.grouped[r] + s * 256 + k * 64;
+            const __m256i q_lo = _mm256_loadu_si256((const __m256i*)q), q_hi = _mm256_loadu_si256((const __m256i*)(q + 32));
+            for (int c = 0; c < C; ++c) {
+                e[c][r] = dot4_add(e[c][r], lo[c], q_lo);
+                o[c][r] = dot4_add(o[c][r], hi[c], q_hi);
+            }
+        }
     }
-    acc.store(out, n);
+    for (int c = 0; c < C; ++c) {
+        // int32 lane j: (sc[2h], sc[2h + 1]) as int16, h = j % 4.
+        const __m256i pairs = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w[c].sc + s * 8))));
+        for (int r = 0; r < R; ++r)
+            isum[c][r] = _mm256_madd_epi16(_mm256_blend_epi16(e[c][r], _mm256_slli_epi32(o[c][r], 16), 0xAA), pairs);
+    }
+}
+
+// Superblock s's 8 group minimums as int16.
+inline __m128i q4k_mins(const Q4K& w, int64_t s) { return _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w.mn + s * 8))); }
+
+// Output columns n..n + C - 1 for a tile's R rows (C > 1: the pairs form).
+template <int C, int R, class N>
+void q4k_rows(const Q4K& weights, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
+    Q4K w[C];
+    for (int c = 0; c < C; ++c) w[c] = weights.row(n + c);
+    // The same superblock, rows further on: at least the next call's C rows.
+    const int64_t ahead = std::max<int64_t>(C, prefetch_rows(weights.k / 2)) * (weights.k / 2);
+    const RowTile<R> x(a, rows);
+    Q4KAcc<R, N> acc[C];
+    for (int64_t s = 0; s < weights.k / 256; ++s) {
+        for (int c = 0; c < C; ++c) prefetch(w[c].codes + ahead + s * 128, 128);
+        __m256i isum[C][R];
+        if constexpr (C == 1) q4k_superblock_scaled<R>(w[0], s, x, isum[0]);
+        else q4k_superblock_pairs<C, R>(w, s, x, isum);
+        for (int c = 0; c < C; ++c) acc[c].add(isum[c], q4k_mins(w[c], s), x, s, w[c].d[s], w[c].dmin[s]);
+    }
+    for (int c = 0; c < C; ++c) acc[c].store(out, n + c);
 }
 
 // ---- Q6_K: 6-bit codes (0..63, weight = code - 32) as the file packs them; per 16: int8 scale; per 256: d ------
@@ -280,7 +331,7 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
 
 // ---- one row of Q4_K and Q6_K in 8-column tiles, in the file's layout ------------------------------------------
 // A 1-row product (a step) in the Totals numerics without the column tiles' transposes: each of a tile's 8 columns
-// runs the row kernels' superblock (q4k_superblock, q6k_superblock) into its int32 lanes, one reduction gives the
+// runs the row kernels' superblock (q4k_superblock_scaled, q6k_superblock) into its int32 lanes, one reduction gives the
 // 8 columns' totals (row_totals<8>), and one conversion and fused multiply-add per superblock serve the 8 columns
 // at once, where the Totals row kernel reduces and multiply-adds each column on its own. Per superblock s:
 //   Q4_K  acc = fma(float(T), d_s * as_s, acc); acc_min = fma(float(M), dmin_s * as_s, acc_min); result acc - acc_min
@@ -325,10 +376,10 @@ inline void q4k_one_row(const Q4K& w, const QuantizedRows& a, int64_t out_featur
             // Into a local first: written through the pointer, the sums would go back to memory after every
             // int8 load (which may alias them).
             __m256i isum;
-            const __m128i mins = q4k_superblock<1>(row, s, x, &isum);
+            q4k_superblock_scaled<1>(row, s, x, &isum);
             __m256i* block = &lanes[s * 2 * kColumns];
             block[i] = isum;
-            block[kColumns + i] = _mm256_zextsi128_si256(_mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)(x.sums[0] + s * 8))));
+            block[kColumns + i] = _mm256_zextsi128_si256(_mm_madd_epi16(q4k_mins(row, s), _mm_loadu_si128((const __m128i*)(x.sums[0] + s * 8))));
         }
     };
     auto step = [&](int64_t s, const ColumnTile& t, const RowTile<1>& x, const __m256i* block, __m256& acc, __m256& acc_min) {
@@ -366,15 +417,7 @@ inline void q6k_one_row(const Q6K& w, const QuantizedRows& a, int64_t out_featur
 #include "kernel_wide_tiles.h"
 #endif
 
-// A tile of R rows: full tiles of Q4_K and Q6_K on 512-bit vectors where the namespace has them (same results).
-template <int R, class N>
-void q4k_tile(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
-#ifdef SPECDEC_WIDE_TILES
-    if constexpr (R == kRowTile) return q4k_rows_wide<R, N>(w, n, a, rows, out);
-#endif
-    q4k_rows<R, N>(w, n, a, rows, out);
-}
-
+// A tile of R rows: full tiles of Q6_K on 512-bit vectors where the namespace has them (same results).
 template <int R, class N>
 void q6k_tile(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float* out[R]) {
 #ifdef SPECDEC_WIDE_TILES
@@ -383,28 +426,42 @@ void q6k_tile(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* ro
     q6k_rows<R, N>(w, n, a, rows, out);
 }
 
-// Kernel<R>::run for each format and numerics (Q4_1, Q8_0 and Q5_0 have one numerics of their own, in
-// kernel_columns.h).
+// Kernel<R> for each format and numerics (Q4_1, Q8_0 and Q5_0 have one numerics of their own, in kernel_columns.h):
+// run computes kWidth output columns from n, run_one one; kRows rows make a full tile.
 template <class N>
 struct KernelsOf {
     template <int R> struct Q4K_ {
-        static void run(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q4k_tile<R, N>(w, n, a, rows, out); }
+        static constexpr int kRows = kQ4KRows, kWidth = R >= kQ4KPairRows ? kQ4KColumns : 1;
+        static void run(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q4k_rows<kWidth, R, N>(w, n, a, rows, out); }
+        static void run_one(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q4k_rows<1, R, N>(w, n, a, rows, out); }
     };
     template <int R> struct Q6K_ {
+        static constexpr int kRows = kRowTile, kWidth = 1;
         static void run(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q6k_tile<R, N>(w, n, a, rows, out); }
+        static constexpr auto run_one = run;
     };
 };
 
-// The last rows - rows % kRowTile rows, in one tile of their own.
-template <template <int> class Kernel, typename W, int R = kRowTile - 1>
-inline void run_remainder(int64_t remainder, const W& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) {
+// Output columns [first, last) for a tile's R rows, Kernel's width at a time.
+template <template <int> class Kernel, int R, typename W>
+inline void run_columns(const W& w, int64_t first, int64_t last, const QuantizedRows& a, const int64_t* rows, float** out) {
+    constexpr int width = Kernel<R>::kWidth;
+    int64_t n = first;
+    if constexpr (width > 1)
+        for (; n + width <= last; n += width) Kernel<R>::run(w, n, a, rows, out);
+    for (; n < last; ++n) Kernel<R>::run_one(w, n, a, rows, out);
+}
+
+// The last rows % kRows rows, in one tile of their own.
+template <template <int> class Kernel, typename W, int R = Kernel<1>::kRows - 1>
+inline void run_remainder(int64_t remainder, const W& w, int64_t first, int64_t last, const QuantizedRows& a, const int64_t* rows, float** out) {
     if constexpr (R > 0) {
-        if (remainder == R) Kernel<R>::run(w, n, a, rows, out);
-        else run_remainder<Kernel, W, R - 1>(remainder, w, n, a, rows, out);
+        if (remainder == R) run_columns<Kernel, R>(w, first, last, a, rows, out);
+        else run_remainder<Kernel, W, R - 1>(remainder, w, first, last, a, rows, out);
     }
 }
 
-// Every output column n for every row: rows in tiles of kRowTile (the remainder in one smaller tile), columns
+// Every output column n for every row: rows in tiles of kRows (the remainder in one smaller tile), columns
 // split over threads. Columns go in blocks of kColumnBlock, each block through every tile in turn: a tile's
 // activation rows then stay in L1 while the block's weight rows (up to 7 KB each: the block fits in L2) are read again from L2, where
 // going through all tiles per column would stream every activation row past L1 once per column. Each output is
@@ -413,6 +470,7 @@ constexpr int64_t kColumnBlock = 128;
 
 template <template <int> class Kernel, typename W>
 void matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base) {
+    constexpr int tile = Kernel<1>::kRows;
     at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
         std::vector<int64_t> index(rows);
         for (int64_t r = 0; r < rows; ++r) index[r] = r;
@@ -421,10 +479,8 @@ void matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_featur
         for (int64_t block = begin; block < end; block += kColumnBlock) {
             const int64_t last = std::min(end, block + kColumnBlock);
             int64_t r = 0;
-            for (; r + kRowTile <= rows; r += kRowTile)
-                for (int64_t n = block; n < last; ++n) Kernel<kRowTile>::run(w, n, a, &index[r], &out[r]);
-            if (r < rows)
-                for (int64_t n = block; n < last; ++n) run_remainder<Kernel>(rows - r, w, n, a, &index[r], &out[r]);
+            for (; r + tile <= rows; r += tile) run_columns<Kernel, tile>(w, block, last, a, &index[r], &out[r]);
+            if (r < rows) run_remainder<Kernel>(rows - r, w, block, last, a, &index[r], &out[r]);
         }
     });
 }
@@ -436,13 +492,15 @@ void q6k(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y
 inline void q41(const Q41& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
     column_matmul<Q41, Q41Columns>(w, a, rows, n, y, 8, &unpack_q41, &gather_q41);
 }
-// AVX2's Q4_K and Q6_K in Totals: a step in 8-column tiles of the file's layout, more rows in column tiles; Q6_K's
-// passes of 2 to kQ6KColumnRows - 1 rows on the row kernels, where its column tiles' unpacking is not yet paid back
+// Q4_K and Q6_K in Totals on column tiles (AVX2's, and VNNI's Q4_K, which kernels.cpp calls from
+// vnni_column_min_rows rows): a step in 8-column tiles of the stored layout, more rows in column tiles; AVX2's passes
+// of 2 to kQ4KColumnRows - 1 (Q6_K: kQ6KColumnRows - 1) rows on the row kernels, which are faster there
 // (docs/engines.md).
-constexpr int64_t kQ6KColumnRows = 12;
+constexpr int64_t kQ4KColumnRows = 6, kQ6KColumnRows = 12;
 
 inline void q4k_columns(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
     if (rows == 1) return q4k_one_row(w, a, n, y);
+    if (!kDpbusd && rows < kQ4KColumnRows) return q4k<Totals>(w, a, rows, n, y);
     column_matmul<Q4K, Q4KColumns>(w, a, rows, n, y, 8, &unpack_q4k, &gather_q4k);
 }
 inline void q6k_columns(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {

@@ -55,19 +55,40 @@ void quantize_row(const float* x, int64_t k, int block, int group, int8_t* q, fl
     }
 }
 
+// A row's codes in Q4_K's grouped-lane order (the weights' layout, below): per 256 values, byte 64k + 4j + b is
+// q[64 (j % 4) + 4 (2k + j / 4) + b] and byte 64k + 32 + 4j + b is q[64 (j % 4) + 32 + 4 (2k + j / 4) + b]
+// (k < 4, j < 8, b < 4): the activations of the low and the high nibbles of the weights' k-th 32 bytes.
+void grouped_row(const int8_t* q, int64_t k, int8_t* out) {
+    // Elements j and j + 4 of each 32 bytes are 8 adjacent bytes of q: four 8-byte loads, then lanes in order.
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t s = 0; s < k / 256; ++s)
+        for (int half = 0; half < 8; ++half) {  // 2k + (high nibbles)
+            const int8_t* base = q + s * 256 + 32 * (half % 2) + 8 * (half / 2);
+            int64_t e[4];
+            for (int j = 0; j < 4; ++j) std::memcpy(&e[j], base + 64 * j, 8);
+            const __m256i v = _mm256_setr_epi64x(e[0], e[1], e[2], e[3]);
+            _mm256_storeu_si256((__m256i*)(out + s * 256 + half * 32), _mm256_permutevar8x32_epi32(v, order));
+        }
+}
+
 struct QuantizedRows {
     std::vector<int8_t> q;
+    std::vector<int8_t> grouped;  // q in grouped-lane order, for the Q4_K kernels that read it (FormatKernels)
     std::vector<float> scale;
     std::vector<int16_t> sums;
     int64_t k, blocks, groups;
-    QuantizedRows(const float* x, int64_t rows, int64_t k, int block, int group)
-        : q(rows * k), scale(rows * (k / block)), sums(rows * (k / group)), k(k), blocks(k / block), groups(k / group) {
+    QuantizedRows(const float* x, int64_t rows, int64_t k, int block, int group, bool grouped_order = false)
+        : q(rows * k), grouped(grouped_order ? rows * k : 0), scale(rows * (k / block)), sums(rows * (k / group)),
+          k(k), blocks(k / block), groups(k / group) {
         at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-            for (int64_t r = begin; r < end; ++r)
+            for (int64_t r = begin; r < end; ++r) {
                 quantize_row(x + r * k, k, block, group, &q[r * k], &scale[r * blocks], &sums[r * groups]);
+                if (!grouped.empty()) grouped_row(&q[r * k], k, &grouped[r * k]);
+            }
         });
     }
     const int8_t* row_q(int64_t r) const { return &q[r * k]; }
+    const int8_t* row_grouped(int64_t r) const { return grouped.empty() ? nullptr : &grouped[r * k]; }
     const float* row_scale(int64_t r) const { return &scale[r * blocks]; }
     const int16_t* row_sums(int64_t r) const { return &sums[r * groups]; }
 };
@@ -95,8 +116,14 @@ inline void prefetch(const void* start, int64_t bytes) {
 }
 
 // ---- weights -----------------------------------------------------------------------------------------------
-// Q4_K: 4-bit codes, per 256: d, dmin; per 32: 6-bit scale and min. codes [N, K/2]: in each 64 weights, byte i
-// holds weight i (low nibble) and weight 32 + i (high nibble). w = d * sc[g] * code - dmin * mn[g].
+// Q4_K: 4-bit codes, per 256: d, dmin; per 32: 6-bit scale and min. w = d * sc[g] * code - dmin * mn[g]. In the
+// file, byte i of each 64 weights holds weight i (low nibble) and weight 32 + i (high nibble): a superblock's 32
+// four-byte elements 8c + u hold weights 4u..4u+3 of groups 2c (low nibbles) and 2c + 1 (high). codes [N, K/2] keep
+// them in grouped-lane order (formats.py permutes them at load): element 8k + j holds the file's element 8c + u with
+// c = j % 4, u = 2k + j / 4. A 256-bit load of 32 bytes k then has group pair j % 4 in lane j, so dot products
+// against the activations in the same order (QuantizedRows::grouped) leave each lane the exact partial sum of one
+// group, which one madd by the lane's (sc, sc') pair scales: no shuffle of scales and no second product per
+// weight. q4k_file_chunks gives the file's order back where a kernel needs it (AMX).
 // Q6_K: 6-bit codes (0..63, weight = code - 32) as the file packs them; per 16: int8 scale; per 256: d. In each 128
 // weights, ql byte l (l < 32) holds the low 4 bits of weights l (low nibble) and 64 + l (high), ql byte 32 + l those
 // of 32 + l and 96 + l; qh byte l the high 2 bits of l, 32 + l, 64 + l and 96 + l.
@@ -115,6 +142,20 @@ struct Q6K {
 // Q4_1's, Q8_0's and Q5_0's operands tile by tile (formats.py, TILED), element (t * count + e) * 8 + i being row
 // 8t + i's element e: the codes as int32 elements (4 bytes), the scales (and minimums) as the file's float16.
 struct Q41 { const uint8_t* codes; const uint16_t* d_tiles; const uint16_t* m_tiles; int64_t k; };
+
+// The file's 32-byte chunks c < 4 (group pairs 2c, 2c + 1) of a superblock stored in grouped-lane order: chunk c is
+// [V0[c], V0[c + 4], V1[c], V1[c + 4], V2[c], V2[c + 4], V3[c], V3[c + 4]] of the stored vectors Vk (int32 lanes).
+inline void q4k_file_chunks(const uint8_t* superblock, __m256i chunk[4]) {
+    const __m256i pairs = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // 64-bit element c: (V[c], V[c + 4])
+    __m256i x[4];
+    for (int k = 0; k < 4; ++k) x[k] = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i*)(superblock + 32 * k)), pairs);
+    const __m256i lo01 = _mm256_unpacklo_epi64(x[0], x[1]), hi01 = _mm256_unpackhi_epi64(x[0], x[1]);  // c = 0, 2 | 1, 3
+    const __m256i lo23 = _mm256_unpacklo_epi64(x[2], x[3]), hi23 = _mm256_unpackhi_epi64(x[2], x[3]);
+    chunk[0] = _mm256_permute2x128_si256(lo01, lo23, 0x20);
+    chunk[1] = _mm256_permute2x128_si256(hi01, hi23, 0x20);
+    chunk[2] = _mm256_permute2x128_si256(lo01, lo23, 0x31);
+    chunk[3] = _mm256_permute2x128_si256(hi01, hi23, 0x31);
+}
 
 // Q6_K's 6-bit codes of one half (128 weights) of superblock s of a one-row weight: v[j] holds weights 32j..32j+31
 // of that half (as the row kernels and the AMX tiles both read them).
@@ -142,6 +183,8 @@ struct Totals {};
 
 namespace avx2 {
 constexpr int kRowTile = 4;  // 16 vector registers: 4 rows' integer and float accumulators and the weights fit
+// Q4_K's row kernels: rows of a tile; output columns that share each load of the activations from kQ4KPairRows rows.
+constexpr int kQ4KRows = 4, kQ4KColumns = 1, kQ4KPairRows = 0;
 constexpr int kSplit = 0;    // madd + add: a chain of one-cycle adds
 inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s)); }
 inline __m256i dot4(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
@@ -154,12 +197,15 @@ constexpr bool kDpbusd = false;  // column tiles: int16 sums of maddubs (kernel_
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 namespace vnni {
 constexpr int kRowTile = 8;  // AVX-512 has 32 vector registers
+// Q4_K's row kernels: in tiles of 4 rows, 2 output columns share each load of the activations (16 integer
+// accumulators), in the pairs form (kernel_rows.h); smaller tiles compute one column at a time.
+constexpr int kQ4KRows = 4, kQ4KColumns = 2, kQ4KPairRows = 4;
 constexpr int kSplit = 2;    // dpwssd: a chain of five-cycle fused products
 inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) { return _mm256_dpwssd_epi32(acc, p, s); }
 inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
 inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 constexpr bool kDpbusd = true;  // column tiles: dpbusd's int32 sums (kernel_columns.h)
-#define SPECDEC_WIDE_TILES  // full tiles of Q4_K and Q6_K on 512-bit vectors (kernel_wide_tiles.h)
+#define SPECDEC_WIDE_TILES  // full tiles of Q6_K on 512-bit vectors (kernel_wide_tiles.h)
 #include "kernel_rows.h"
 #undef SPECDEC_WIDE_TILES
 }  // namespace vnni
@@ -197,9 +243,11 @@ bool cpu_has_amx() {
 constexpr int64_t kAmxMinRows = 16;
 
 // Q4_K's VNNI column tiles in Totals serve passes from this many rows, where they are measured faster than the
-// row kernels (docs/engines.md): 2 below AMX's passes on a Xeon, 12 on VNNI machines without AMX (a Zen 4), whose
-// row kernels stay ahead for a few rows.
-int64_t vnni_column_min_rows(bool amx) { return amx ? 2 : 12; }
+// row kernels (docs/engines.md): 6 below AMX's passes on a Xeon, 12 on VNNI machines without AMX (a Zen 4), whose
+// row kernels stay ahead for a few rows more. set_vnni_column_rows overrides it (0: this default), for the tests and
+// the bench, which run the tiles' fused form (up to a row tile) at any row count, on any VNNI machine.
+int64_t vnni_column_rows = 0;
+int64_t vnni_column_min_rows(bool amx) { return vnni_column_rows ? vnni_column_rows : amx ? 6 : 12; }
 
 enum class Isa { avx2, vnni, amx };
 Isa isa_in_use = cpu_has_amx() ? Isa::amx : cpu_has_vnni() ? Isa::vnni : Isa::avx2;
@@ -238,6 +286,13 @@ bool column_tiles = true;
 template <typename W>
 struct FormatKernels {
     KernelFn<W> avx2_lanes, vnni_lanes, avx2_totals, vnni_totals, amx = nullptr, avx2_columns = nullptr, vnni_columns = nullptr;
+    // Q4_K: the row kernels (and the column kernels where they run them) read the activations in grouped-lane
+    // order as well; the tiles read them as quantized.
+    bool rows_read_grouped = false;
+    bool reads_grouped(KernelFn<W> kernel, int64_t rows) const {
+        return rows_read_grouped && kernel != amx && (kernel != avx2_columns || rows < avx2::kQ4KColumnRows) &&
+               (kernel != vnni_columns || rows == 1);
+    }
     KernelFn<W> pick(int64_t rows) const {
         if (isa_in_use == Isa::amx && amx && rows >= kAmxMinRows) return amx;
         if (isa_in_use == Isa::avx2 && totals_in_use && column_tiles && avx2_columns) return avx2_columns;
@@ -264,8 +319,9 @@ torch::Tensor product(const W& w, const torch::Tensor& x, int64_t out_features, 
     const int64_t rows = x.size(0);
     auto y = torch::empty({rows, out_features}, x.options());
     if (rows == 0) return y;
-    QuantizedRows a(x.data_ptr<float>(), rows, w.k, block, group);
-    kernels.pick(rows)(w, a, rows, out_features, y.data_ptr<float>());
+    const KernelFn<W> kernel = kernels.pick(rows);
+    QuantizedRows a(x.data_ptr<float>(), rows, w.k, block, group, kernels.reads_grouped(kernel, rows));
+    kernel(w, a, rows, out_features, y.data_ptr<float>());
     return y;
 }
 
@@ -276,7 +332,7 @@ void check_weight(const torch::Tensor& t, torch::ScalarType type, int64_t n, int
                 per_row, " contiguous values of ", c10::toString(type));
 }
 
-const FormatKernels<Q4K> q4k_kernels{&avx2::q4k<Lanes>, &vnni::q4k<Lanes>, &avx2::q4k<Totals>, &vnni::q4k<Totals>, &amx::q4k, &avx2::q4k_columns, &vnni::q4k_columns};
+const FormatKernels<Q4K> q4k_kernels{&avx2::q4k<Lanes>, &vnni::q4k<Lanes>, &avx2::q4k<Totals>, &vnni::q4k<Totals>, &amx::q4k, &avx2::q4k_columns, &vnni::q4k_columns, true};
 
 torch::Tensor q4k_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc, torch::Tensor mn, torch::Tensor d,
                          torch::Tensor dmin, int64_t n, int64_t k) {
@@ -333,11 +389,31 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block) 
     return {q, s};
 }
 
+// Q4_K's codes [N, K/2] from grouped-lane order back to the file's through q4k_file_chunks, for the tests (the AMX
+// tiles unpack through it, and this CPU may have none).
+torch::Tensor q4k_file_order(torch::Tensor codes) {
+    TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 2 && codes.size(1) % 128 == 0,
+                "codes must be [N, K/2] contiguous uint8 with K divisible by 256");
+    auto out = torch::empty_like(codes);
+    const uint8_t* in = codes.data_ptr<uint8_t>();
+    uint8_t* file = out.data_ptr<uint8_t>();
+    for (int64_t s = 0; s < codes.numel() / 128; ++s) {
+        __m256i chunks[4];
+        q4k_file_chunks(in + s * 128, chunks);
+        for (int c = 0; c < 4; ++c) _mm256_storeu_si256((__m256i*)(file + s * 128 + c * 32), chunks[c]);
+    }
+    return out;
+}
+
 // Which kernels a product of this format and row count runs on now: "avx2 columns" (AVX2's tiles in Totals,
 // q4k_columns and q6k_columns, which leave some row counts to the row kernels), "avx2 rows", "vnni rows", "amx".
 std::string product_kernel(const std::string& format, int64_t rows) {
     TORCH_CHECK(format == "q4k" || format == "q6k", "product_kernel knows q4k and q6k, not ", format);
     return format == "q4k" ? q4k_kernels.name(rows) : q6k_kernels.name(rows);
+}
+void set_vnni_column_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 0, "the VNNI column tiles' least row count must be 0 (the default) or more, not ", rows);
+    vnni_column_rows = rows;
 }
 bool column_tiles_in_use() { return column_tiles; }
 void set_column_tiles(bool on) { column_tiles = on; }
@@ -362,6 +438,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("q41_matmul", &q41_matmul, no_gil);
     m.def("q80_matmul", &q80_matmul, no_gil);
     m.def("quantize_activations", &quantize_activations, no_gil);
+    m.def("q4k_file_order", &q4k_file_order, no_gil);
     m.def("rms_norm", &rms_norm, no_gil);
     m.def("rotary", &rotary, no_gil);
     m.def("attend_sessions", &attend_sessions, no_gil);
@@ -377,6 +454,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("product_kernel", &product_kernel);
     m.def("column_tiles", &column_tiles_in_use);
     m.def("set_column_tiles", &set_column_tiles);
+    m.def("set_vnni_column_rows", &set_vnni_column_rows);
     m.def("prefetch_distance", &prefetch_distance);
     m.def("set_prefetch_distance", &set_prefetch_distance);
 }

@@ -72,6 +72,21 @@ def test_packed_blocks_stand_for_the_files_weights_exactly(spec, name):
     assert torch.equal(formats.dequantize(weight), reference)
 
 
+def test_q4_k_codes_are_stored_in_grouped_lane_order_and_the_amx_unpacking_reads_the_files_order_back():
+    """Q4_K's codes are permuted at load (formats.Q4_K_GROUPED): lane j of each 32 stored bytes holds group pair j % 4.
+    q4k_file_chunks, through which the AMX tiles unpack them (this CPU may have none), gives the file's bytes back."""
+    t = tensor_of("qwen2.5-coder-1.5b", "blk.0.ffn_gate.weight")
+    k = int(t.shape[0])
+    raw = np.asarray(t.data)[:ROWS]
+    file_codes = raw.reshape(ROWS, k // 256, 144)[..., 16:].reshape(ROWS, k // 2)
+    stored = formats.pack(raw, t.tensor_type, ROWS, k).tensors[0]
+    assert not np.array_equal(stored.numpy(), file_codes)  # the test can fail: the order differs from the file's
+    # Stored element 8k + j of a superblock is the file's element 8 (j % 4) + 2k + j // 4 (four bytes each).
+    elements = stored.numpy().reshape(ROWS, k // 256, 32, 4)
+    assert np.array_equal(elements[:, :, 8 * 1 + 5], file_codes.reshape(ROWS, k // 256, 32, 4)[:, :, 8 * 1 + 2 + 1])
+    assert np.array_equal(kernels().q4k_file_order(stored).numpy(), file_codes)
+
+
 @pytest.mark.parametrize("spec,name", TENSORS, ids=lambda v: v)
 def test_kernel_matches_a_float64_reference_of_the_dequantised_weights(spec, name):
     weight, reference, _ = packed_slice(spec, name)
@@ -559,8 +574,8 @@ def column_tiles(on: bool):
 @pytest.mark.parametrize("k", [256, 2048, 8960])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_avx2_k_quant_tiles_give_the_row_kernels_bits_at_every_row_count(qtype, k):
-    """On AVX2, Q4_K and Q6_K run in tiles of 8 output columns in the totals numerics (a step in the file's layout,
-    more rows in column tiles, kernel_columns.h; Q6_K's 2-11 rows on the row kernels): one superblock, a superblock
+    """On AVX2, Q4_K and Q6_K run in tiles of 8 output columns in the totals numerics (a step in the stored layout,
+    more rows in column tiles, kernel_columns.h; Q4_K's 2-5 and Q6_K's 2-11 rows on the row kernels): one superblock, a superblock
     count that is a multiple of 8 and one that is not (35), a partial last tile (37 columns), every path's row
     counts. Each row's bits are its own alone, the same as the row kernels', and the products match the float64
     reference."""
@@ -652,15 +667,43 @@ def test_on_vnni_without_amx_in_totals_q4_k_passes_of_12_rows_or_more_run_on_col
     assert_the_avx2_tiles_bits_and_each_rows_own(layer, x, results, alone)
 
 
+@pytest.mark.skipif(kernels().isa() == "avx2", reason="this CPU lacks AVX512-VNNI")
+@pytest.mark.parametrize("k", [256, 2048, 8960])
+def test_q4_k_vnni_column_tiles_fused_and_unpacked_give_the_row_kernels_bits(k):
+    """The VNNI column tiles of Q4_K, which machines with AMX run from 6 rows in totals (fused with the codes'
+    unpacking up to a row tile of 8, from an unpacked tile beyond), on any VNNI machine: every row count gives each
+    row its bits alone (a row kernel's), the AVX2 kernels' and the float64 reference's product."""
+    n, ops = 37, kernels()
+    layer = QuantizedLinear(random_k_quant("Q4_K", n, k, seed=k + 1))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(13))
+    with kernel_settings("avx2", "totals"):
+        avx2 = layer(x)
+    with kernel_settings("vnni", "totals"):
+        try:
+            ops.set_vnni_column_rows(2)
+            assert [ops.product_kernel("q4k", rows) for rows in (1, 2, 8, 9)] == ["vnni rows"] + ["vnni columns"] * 3
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+            for rows in (2, 3, 4, 5, 7, 8, 9, 17, 40):
+                assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+        finally:
+            ops.set_vnni_column_rows(0)
+    assert torch.equal(alone, avx2)
+    codes, scales = ops.quantize_activations(x, 256)
+    x_quantized = (codes.double().reshape(40, -1, 256) * scales.double()[..., None]).reshape(40, -1)
+    exact = x_quantized @ formats.dequantize(layer.packed).T
+    assert (alone.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert not torch.equal(alone[0], alone[1])
+
+
 def test_with_amx_q4_k_passes_below_the_tiles_run_on_vnni_column_tiles_with_the_same_bits():
-    """Where AMX runs the totals numerics, Q4_K's passes of 2-15 rows go to the column tiles in their VNNI form
-    (dpbusd): each row's bits are the AVX2 tiles' and its own alone."""
+    """Where AMX runs the totals numerics, Q4_K's passes of 2-5 rows go to the VNNI row kernels and of 6-15 rows to
+    the column tiles in their VNNI form (dpbusd): each row's bits are the AVX2 tiles' and its own alone."""
     ops = kernels()
     if ops.isa() != "amx":
         pytest.skip("this CPU gives no AMX tiles")
     layer = QuantizedLinear(random_k_quant("Q4_K", 37, 2048, seed=10))
     x = torch.randn(15, 2048, generator=torch.Generator().manual_seed(11))
-    assert [ops.product_kernel("q4k", rows) for rows in (1, 2, 15, 16)] == ["vnni rows", "vnni columns", "vnni columns", "amx"]
+    assert [ops.product_kernel("q4k", rows) for rows in (1, 5, 6, 15, 16)] == ["vnni rows"] * 2 + ["vnni columns"] * 2 + ["amx"]
     alone = torch.cat([layer(x[i : i + 1]) for i in range(15)])
-    results = {rows: layer(x[:rows]) for rows in (2, 3, 4, 5, 9, 15)}
+    results = {rows: layer(x[:rows]) for rows in (2, 3, 4, 5, 6, 8, 9, 15)}
     assert_the_avx2_tiles_bits_and_each_rows_own(layer, x, results, alone)
