@@ -47,17 +47,17 @@ inline void dot8(const float* q, const float* keys, int64_t d, float* out) {
     for (int p = 0; p < 8; ++p) out[p] = hsum_f32(acc[p]);
 }
 
-// o[8 * t ..] = inv * sum over j < seen of w[j] * value[j * dim + 8 * t ..] for t < N: N vectors of a row's
-// weighted sum of values, each summed over the positions in their order (fused multiply-adds), N in registers.
+// acc[t] += sum over positions j in [first, last) of w[j] * value[j * dim + 8 * t ..] for t < N, in the positions'
+// order (fused multiply-adds), the N vectors in registers meanwhile.
 template <int N>
-inline void weighted_values(const float* w, const float* value, int64_t seen, int64_t dim, __m256 inv, float* o) {
+inline void weighted_values(const float* w, const float* value, int64_t first, int64_t last, int64_t dim, float* sums) {
     __m256 acc[N];
-    for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < seen; ++j) {
+    for (int t = 0; t < N; ++t) acc[t] = _mm256_loadu_ps(sums + 8 * t);
+    for (int64_t j = first; j < last; ++j) {
         const __m256 x = _mm256_set1_ps(w[j]);
         for (int t = 0; t < N; ++t) acc[t] = _mm256_fmadd_ps(x, _mm256_loadu_ps(value + j * dim + 8 * t), acc[t]);
     }
-    for (int t = 0; t < N; ++t) _mm256_storeu_ps(o + 8 * t, _mm256_mul_ps(acc[t], inv));
+    for (int t = 0; t < N; ++t) _mm256_storeu_ps(sums + 8 * t, acc[t]);
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -163,42 +163,70 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     }
     auto out = torch::empty({rows, heads * dim}, q.options());
     float* os = out.data_ptr<float>();
-    const int64_t group = heads / kv_heads, items = rows * heads;
+    // An item is a row's heads of one key-value group, each key and value read from L1 for all of them, a block of
+    // kBlock positions at a time (each head's products and sums still in their own order: the same bits), or, where
+    // a call has too few rows to give every thread work that way, one head of a row.
+    const int64_t group = heads / kv_heads;
+    const int64_t per_item = rows * kv_heads >= 2 * at::get_num_threads() ? group : 1, items = rows * heads / per_item;
     // Few rows over a short cache are cheaper on one thread than a fork and join.
-    const int64_t grain = items * longest * dim < (1 << 18) ? items : 1;
+    const int64_t grain = rows * heads * longest * dim < (1 << 18) ? items : 1;
+    constexpr int64_t kBlock = 32;  // positions: 16 KB of 128-wide keys, and values, stay in L1 meanwhile
     at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> score(longest + 8);
+        std::vector<float> scores(per_item * (longest + 8));
+        std::vector<float> sums(per_item * 64), inv(per_item);  // per head: 64 dimensions' sums, 1 / the softmax's total
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t r = item / heads, h = item % heads, s = session_of[r];
+            const int64_t r = item / (heads / per_item), h0 = item % (heads / per_item) * per_item, s = session_of[r];
             // The visible positions first .. first + seen - 1; score[j] is position first + j's.
             const int64_t first = window ? std::max<int64_t>(0, position_of[r] + 1 - window) : 0;
             const int64_t seen = position_of[r] + 1 - first;
-            const float* qr = qs + (r * heads + h) * dim;
-            const float* key = key_base[s] + ((h / group) * capacity[s] + first) * dim;
-            const float* value = value_base[s] + ((h / group) * capacity[s] + first) * dim;
-            int64_t j = 0;
-            for (; j + 8 <= seen; j += 8) dot8(qr, key + j * dim, dim, &score[j]);
-            for (; j < seen; ++j) score[j] = dot(qr, key + j * dim, dim);
-            float top = -INFINITY;
-            for (j = 0; j < seen; ++j) {
-                score[j] = score[j] * (float)scale;
-                if (softcap > 0) score[j] = (float)softcap * std::tanh(score[j] / (float)softcap);
-                top = std::max(top, score[j]);
-            }
-            for (int64_t j = seen; j < ((seen + 7) & ~int64_t(7)); ++j) score[j] = -INFINITY;
-            __m256 total = _mm256_setzero_ps();
-            for (int64_t j = 0; j < seen; j += 8) {
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&score[j]), _mm256_set1_ps(top)));
-                _mm256_storeu_ps(&score[j], e);
-                total = _mm256_add_ps(total, e);
+            const float* key = key_base[s] + ((h0 / group) * capacity[s] + first) * dim;
+            const float* value = value_base[s] + ((h0 / group) * capacity[s] + first) * dim;
+            for (int64_t b = 0; b < seen; b += kBlock)
+                for (int64_t h = 0; h < per_item; ++h) {
+                    const float* qr = qs + (r * heads + h0 + h) * dim;
+                    float* score = &scores[h * (longest + 8)];
+                    const int64_t last = std::min(seen, b + kBlock);
+                    int64_t j = b;
+                    for (; j + 8 <= last; j += 8) dot8(qr, key + j * dim, dim, &score[j]);
+                    for (; j < last; ++j) score[j] = dot(qr, key + j * dim, dim);
+                }
+            for (int64_t h = 0; h < per_item; ++h) {
+                float* score = &scores[h * (longest + 8)];
+                float top = -INFINITY;
+                for (int64_t j = 0; j < seen; ++j) {
+                    score[j] = score[j] * (float)scale;
+                    if (softcap > 0) score[j] = (float)softcap * std::tanh(score[j] / (float)softcap);
+                    top = std::max(top, score[j]);
+                }
+                for (int64_t j = seen; j < ((seen + 7) & ~int64_t(7)); ++j) score[j] = -INFINITY;
+                __m256 total = _mm256_setzero_ps();
+                for (int64_t j = 0; j < seen; j += 8) {
+                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&score[j]), _mm256_set1_ps(top)));
+                    _mm256_storeu_ps(&score[j], e);
+                    total = _mm256_add_ps(total, e);
+                }
+                inv[h] = 1.f / hsum_f32(total);
             }
             // The weighted sum of values in slices of 64 of the head's dimensions (8 vectors in registers, AVX2
-            // having 16), each over all positions: every lane's sum runs over the positions in order as before.
-            const __m256 inv = _mm256_set1_ps(1.f / hsum_f32(total));
-            float* o = os + r * heads * dim + h * dim;
-            int64_t i = 0;
-            for (; i + 64 <= dim; i += 64) weighted_values<8>(score.data(), value + i, seen, dim, inv, o + i);
-            for (; i < dim; i += 8) weighted_values<1>(score.data(), value + i, seen, dim, inv, o + i);
+            // having 16), each lane summed over the positions in order; kept in `sums` from one block to the next.
+            for (int64_t i = 0; i < dim; i += 64) {
+                const int n = (int)std::min<int64_t>(8, (dim - i) / 8);
+                for (int64_t b = 0; b < seen; b += kBlock)
+                    for (int64_t h = 0; h < per_item; ++h) {
+                        float* acc = &sums[h * 64];
+                        const float* w = &scores[h * (longest + 8)];
+                        const int64_t last = std::min(seen, b + kBlock);
+                        if (b == 0) std::fill(acc, acc + 8 * n, 0.f);
+                        if (n == 8) weighted_values<8>(w, value + i, b, last, dim, acc);
+                        else
+                            for (int t = 0; t < n; ++t) weighted_values<1>(w, value + i + 8 * t, b, last, dim, acc + 8 * t);
+                    }
+                for (int64_t h = 0; h < per_item; ++h) {
+                    float* o = os + (r * heads + h0 + h) * dim + i;
+                    for (int t = 0; t < n; ++t)
+                        _mm256_storeu_ps(o + 8 * t, _mm256_mul_ps(_mm256_loadu_ps(&sums[h * 64 + 8 * t]), _mm256_set1_ps(inv[h])));
+                }
+            }
         }
     });
     return out;
