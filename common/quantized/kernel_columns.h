@@ -415,29 +415,19 @@ SPECDEC_INLINE void q4k_group(Codes codes, __m256i scale, const GroupRows<R>& x,
 }
 
 // Units 4h..4h + 3 of group g, codes(j) holding unit 4h + j: q4k_group's integer in halves (a group's total in
-// parts is the same integer). With VNNI, t fits in int16 (|t| <= 16 * 15 * 127), so madd by (sc_g, 0) multiplies
-// it, where a whole group's needs mullo.
+// parts is the same integer), for the fused tiles (VNNI's only). A half's t fits in int16 (|t| <= 16 * 15 * 127), so
+// madd by (sc_g, 0) multiplies it, where a whole group's needs mullo.
 template <int R, class Codes>
 SPECDEC_INLINE void q4k_half_group(Codes codes, __m256i scale, const GroupRows<R>& x, int64_t g, int h, __m256i* total) {
     const int64_t at = g * 32 + 16 * h;
-    if constexpr (kDpbusd) {
-        __m256i t[R];
-        for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
-            const __m256i v = codes(j);
-            for (int r = 0; r < R; ++r) t[r] = dot4_add(t[r], v, broadcast4(x.q[r] + at + 4 * j));
-        }
-        const __m256i sc = _mm256_and_si256(scale, _mm256_set1_epi32(0xFFFF));
-        for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(t[r], sc));
-        return;
-    }
-    __m256i p[R];
-    for (int r = 0; r < R; ++r) p[r] = _mm256_maddubs_epi16(codes(0), broadcast4(x.q[r] + at));
-    for (int j = 1; j < 4; ++j) {
+    __m256i t[R];
+    for (int r = 0; r < R; ++r) t[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
         const __m256i v = codes(j);
-        for (int r = 0; r < R; ++r) p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(v, broadcast4(x.q[r] + at + 4 * j)));
+        for (int r = 0; r < R; ++r) t[r] = dot4_add(t[r], v, broadcast4(x.q[r] + at + 4 * j));
     }
-    for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(p[r], scale));
+    const __m256i sc = _mm256_and_si256(scale, _mm256_set1_epi32(0xFFFF));
+    for (int r = 0; r < R; ++r) total[r] = _mm256_add_epi32(total[r], _mm256_madd_epi16(t[r], sc));
 }
 
 // The end of superblock s for R rows: the minimums' total and both fused multiply-adds.

@@ -498,9 +498,12 @@ inline void q41(const Q41& w, const QuantizedRows& a, int64_t rows, int64_t n, f
 // (docs/engines.md).
 constexpr int64_t kQ4KColumnRows = 6, kQ6KColumnRows = 12;
 
+// Whether q4k_columns hands a pass of this many rows to the row kernels (which read the activations' grouped order).
+inline bool q4k_columns_on_row_kernels(int64_t rows) { return rows == 1 || (!kDpbusd && rows < kQ4KColumnRows); }
+
 inline void q4k_columns(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
     if (rows == 1) return q4k_one_row(w, a, n, y);
-    if (!kDpbusd && rows < kQ4KColumnRows) return q4k<Totals>(w, a, rows, n, y);
+    if (q4k_columns_on_row_kernels(rows)) return q4k<Totals>(w, a, rows, n, y);
     column_matmul<Q4K, Q4KColumns>(w, a, rows, n, y, 8, &unpack_q4k, &gather_q4k);
 }
 inline void q6k_columns(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {

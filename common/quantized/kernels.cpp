@@ -290,8 +290,8 @@ struct FormatKernels {
     // order as well; the tiles read them as quantized.
     bool rows_read_grouped = false;
     bool reads_grouped(KernelFn<W> kernel, int64_t rows) const {
-        return rows_read_grouped && kernel != amx && (kernel != avx2_columns || rows < avx2::kQ4KColumnRows) &&
-               (kernel != vnni_columns || rows == 1);
+        return rows_read_grouped && kernel != amx && (kernel != avx2_columns || avx2::q4k_columns_on_row_kernels(rows)) &&
+               (kernel != vnni_columns || vnni::q4k_columns_on_row_kernels(rows));
     }
     KernelFn<W> pick(int64_t rows) const {
         if (isa_in_use == Isa::amx && amx && rows >= kAmxMinRows) return amx;
