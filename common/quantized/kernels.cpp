@@ -27,6 +27,8 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <algorithm>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -38,20 +40,41 @@ namespace {
 // ---- activation quantization -------------------------------------------------------------------------------
 
 // One row, blocks of `block` values: q = round(x * 127 / amax), scale = amax / 127. sums[g] = sum of q over each
-// group of `group` values (the offsets of unsigned weight codes are applied through them).
+// group of `group` values (the offsets of unsigned weight codes are applied through them). Eight values at a time:
+// the maximum is the same in any order, and rounding to the nearest integer, halves to even, is what nearbyint does
+// in the default rounding mode. Blocks are multiples of 32 values and groups of 16 or 32 (the formats').
+inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
 void quantize_row(const float* x, int64_t k, int block, int group, int8_t* q, float* scale, int16_t* sums) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs interleave 128-bit lanes: undone
     for (int64_t b = 0; b < k / block; ++b) {
         const float* xb = x + b * block;
-        float amax = 0.f;
-        for (int i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        __m256 top = _mm256_setzero_ps();
+        for (int i = 0; i < block; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
         scale[b] = amax / 127.f;
-        for (int i = 0; i < block; ++i) q[b * block + i] = (int8_t)std::nearbyint(xb[i] * inv);
-    }
-    for (int64_t g = 0; g < k / group; ++g) {
-        int32_t s = 0;
-        for (int i = 0; i < group; ++i) s += q[g * group + i];
-        sums[g] = (int16_t)s;  // |s| <= 32 * 127: fits
+        for (int i = 0; i < block; i += 32) {
+            __m256i v[4];
+            for (int j = 0; j < 4; ++j)
+                v[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * j), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            _mm256_storeu_si256((__m256i*)(q + b * block + i), _mm256_permutevar8x32_epi32(bytes, order));
+            const int64_t g = (b * block + i) / group;  // |sum| <= 32 * 127: fits int16
+            if (group == 32) {
+                sums[g] = (int16_t)hsum_i32(_mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
+            } else {
+                sums[g] = (int16_t)hsum_i32(_mm256_add_epi32(v[0], v[1]));
+                sums[g + 1] = (int16_t)hsum_i32(_mm256_add_epi32(v[2], v[3]));
+            }
+        }
     }
 }
 

@@ -104,6 +104,25 @@ def test_kernel_matches_a_float64_reference_of_the_dequantised_weights(spec, nam
     assert (y - float_exact).norm() / float_exact.norm() < 0.02
 
 
+@pytest.mark.parametrize("block", [32, 256])
+def test_activations_quantize_to_the_nearest_code_of_their_blocks_maximum(block):
+    """Each block of activations: codes round(x * (127 / amax)) in float32, halves to even, and the scale amax / 127;
+    a block of zeros gives zero codes and scale; halves on the codes' grid round to even, as nearbyint does."""
+    x = torch.randn(37, 2 * 256, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 37)[:, None]
+    x[1, :block] = 0
+    x[2, :block] = torch.arange(block) % 64 - 31.5  # halves, and with amax 127 (below) each code is x itself
+    x[2, 0] = -127.0
+    codes, scales = kernels().quantize_activations(x, block)
+    blocks = x.reshape(37, -1, block)
+    amax = blocks.abs().amax(dim=2)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    expected = torch.round(blocks * inverse[..., None]).to(torch.int8).reshape(37, -1)
+    assert torch.equal(codes, expected)
+    assert torch.equal(scales, amax / 127.0)
+    assert not codes[1, :block].any() and scales[1, 0] == 0
+    assert codes[2, 1:block].tolist() == [round(v) for v in x[2, 1:block].tolist()]  # Python's round: halves to even
+    assert codes[2, 1].item() == -30
+
 def test_the_kernels_compute_without_holding_the_gil():
     """A worker's event loop reads and answers its streams while its compute thread runs a pass: the kernels release
     the GIL. This thread sleeps while a product runs on another; holding the GIL, the product kept it from waking
