@@ -123,6 +123,7 @@ def test_activations_quantize_to_the_nearest_code_of_their_blocks_maximum(block)
     assert codes[2, 1:block].tolist() == [round(v) for v in x[2, 1:block].tolist()]  # Python's round: halves to even
     assert codes[2, 1].item() == -30
 
+
 def test_the_kernels_compute_without_holding_the_gil():
     """A worker's event loop reads and answers its streams while its compute thread runs a pass: the kernels release
     the GIL. This thread sleeps while a product runs on another; holding the GIL, the product kept it from waking
