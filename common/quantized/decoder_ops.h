@@ -34,30 +34,91 @@ inline float dot(const float* a, const float* b, int64_t d) {  // d a multiple o
     return hsum_f32(acc);
 }
 
-// out[p] = dot(q, keys + p * d, d) for 8 keys at once: each key's products in dot's own order (the same bits), in
-// 8 independent chains, so that their fused multiply-adds overlap instead of each waiting on the one before, and
-// each 8 floats of q loaded once for the 8 keys.
-inline void dot8(const float* q, const float* keys, int64_t d, float* out) {
-    __m256 acc[8];
-    for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
+// score[h][j + p] = dot(q + h * d, keys + p * d, d) for H query heads and P keys at once: each key's products in
+// dot's own order (the same bits), in H x P independent chains so that their fused multiply-adds overlap, each 8
+// floats of a key loaded once for the H heads and of a query once for the P keys (H x P <= 12 accumulators, with
+// the keys and a query within AVX2's 16 registers).
+template <int H, int P>
+inline void dot_heads(const float* q, const float* keys, int64_t d, float* const* score, int64_t j) {
+    __m256 acc[H][P];
+    for (int h = 0; h < H; ++h)
+        for (int p = 0; p < P; ++p) acc[h][p] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
-        const __m256 x = _mm256_loadu_ps(q + i);
-        for (int p = 0; p < 8; ++p) acc[p] = _mm256_fmadd_ps(x, _mm256_loadu_ps(keys + p * d + i), acc[p]);
+        __m256 key[P];
+        for (int p = 0; p < P; ++p) key[p] = _mm256_loadu_ps(keys + p * d + i);
+        for (int h = 0; h < H; ++h) {
+            const __m256 x = _mm256_loadu_ps(q + h * d + i);
+            for (int p = 0; p < P; ++p) acc[h][p] = _mm256_fmadd_ps(x, key[p], acc[h][p]);
+        }
     }
-    for (int p = 0; p < 8; ++p) out[p] = hsum_f32(acc[p]);
+    for (int h = 0; h < H; ++h)
+        for (int p = 0; p < P; ++p) score[h][j + p] = hsum_f32(acc[h][p]);
 }
 
-// acc[t] += sum over positions j in [first, last) of w[j] * value[j * dim + 8 * t ..] for t < N, in the positions'
-// order (fused multiply-adds), the N vectors in registers meanwhile.
-template <int N>
-inline void weighted_values(const float* w, const float* value, int64_t first, int64_t last, int64_t dim, float* sums) {
-    __m256 acc[N];
-    for (int t = 0; t < N; ++t) acc[t] = _mm256_loadu_ps(sums + 8 * t);
-    for (int64_t j = first; j < last; ++j) {
-        const __m256 x = _mm256_set1_ps(w[j]);
-        for (int t = 0; t < N; ++t) acc[t] = _mm256_fmadd_ps(x, _mm256_loadu_ps(value + j * dim + 8 * t), acc[t]);
+// o[h][8 t ..] = sum over positions j < seen of w[h][j] * value[j * dim + 8 t ..] for H heads and t < N, each lane
+// summed over the positions in their order (fused multiply-adds): each 8 floats of a value loaded once for the H
+// heads, the H x N sums in registers meanwhile.
+template <int H, int N>
+inline void weighted_values(const float* const* w, const float* value, int64_t seen, int64_t dim, __m256 (*sums)[N]) {
+    __m256 acc[H][N];
+    for (int h = 0; h < H; ++h)
+        for (int t = 0; t < N; ++t) acc[h][t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < seen; ++j) {
+        __m256 v[N];
+        for (int t = 0; t < N; ++t) v[t] = _mm256_loadu_ps(value + j * dim + 8 * t);
+        for (int h = 0; h < H; ++h) {
+            const __m256 x = _mm256_set1_ps(w[h][j]);
+            for (int t = 0; t < N; ++t) acc[h][t] = _mm256_fmadd_ps(x, v[t], acc[h][t]);
+        }
     }
-    for (int t = 0; t < N; ++t) _mm256_storeu_ps(sums + 8 * t, acc[t]);
+    for (int h = 0; h < H; ++h)
+        for (int t = 0; t < N; ++t) sums[h][t] = acc[h][t];
+}
+
+// One query row's H heads of one key-value group (H <= 6): the scores, softmax and weighted values of each head,
+// the keys and values read once for the H heads. Per head every product, sum and rounding is the one-head order.
+template <int H>
+inline void attend_heads(const float* q, const float* key, const float* value, int64_t seen, int64_t dim, double scale,
+                         double softcap, float* const* score, float* o) {
+    // Keys P at a time: 8 for one head, as many as keep H x P accumulators near 8-12.
+    constexpr int P = H == 1 ? 8 : H == 2 ? 4 : H == 3 ? 3 : 2;
+    int64_t j = 0;
+    for (; j + P <= seen; j += P) dot_heads<H, P>(q, key + j * dim, dim, score, j);
+    for (; j < seen; ++j)
+        for (int h = 0; h < H; ++h) score[h][j] = dot(q + h * dim, key + j * dim, dim);
+    float inv[H];
+    for (int h = 0; h < H; ++h) {
+        float* sc = score[h];
+        float top = -INFINITY;
+        for (int64_t j = 0; j < seen; ++j) {
+            sc[j] = sc[j] * (float)scale;
+            if (softcap > 0) sc[j] = (float)softcap * std::tanh(sc[j] / (float)softcap);
+            top = std::max(top, sc[j]);
+        }
+        for (int64_t j = seen; j < ((seen + 7) & ~int64_t(7)); ++j) sc[j] = -INFINITY;
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < seen; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&sc[j]), _mm256_set1_ps(top)));
+            _mm256_storeu_ps(&sc[j], e);
+            total = _mm256_add_ps(total, e);
+        }
+        inv[h] = 1.f / hsum_f32(total);
+    }
+    // The weighted values in slices of 8 N dimensions: 64 for one head (8 registers of sums), 32 for two, 16 beyond.
+    constexpr int N = H == 1 ? 8 : H == 2 ? 4 : 2;
+    int64_t i = 0;
+    auto store = [&](int h, int64_t at, __m256 sum) { _mm256_storeu_ps(o + h * dim + at, _mm256_mul_ps(sum, _mm256_set1_ps(inv[h]))); };
+    for (; i + 8 * N <= dim; i += 8 * N) {
+        __m256 sums[H][N];
+        weighted_values<H, N>(score, value + i, seen, dim, sums);
+        for (int h = 0; h < H; ++h)
+            for (int t = 0; t < N; ++t) store(h, i + 8 * t, sums[h][t]);
+    }
+    for (; i < dim; i += 8) {
+        __m256 sums[H][1];
+        weighted_values<H, 1>(score, value + i, seen, dim, sums);
+        for (int h = 0; h < H; ++h) store(h, i, sums[h][0]);
+    }
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -163,68 +224,33 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     }
     auto out = torch::empty({rows, heads * dim}, q.options());
     float* os = out.data_ptr<float>();
-    // An item is a row's heads of one key-value group, each key and value read from L1 for all of them, a block of
-    // kBlock positions at a time (each head's products and sums still in their own order: the same bits), or, where
-    // a call has too few rows to give every thread work that way, one head of a row.
+    // An item is a row's heads of one key-value group, up to 6 at a time (attend_heads), or, where a call has too
+    // few rows to give every thread work that way, one head of a row.
     const int64_t group = heads / kv_heads;
     const int64_t per_item = rows * kv_heads >= 2 * at::get_num_threads() ? group : 1, items = rows * heads / per_item;
     // Few rows over a short cache are cheaper on one thread than a fork and join.
     const int64_t grain = rows * heads * longest * dim < (1 << 18) ? items : 1;
-    constexpr int64_t kBlock = 32;  // positions: 16 KB of 128-wide keys, and values, stay in L1 meanwhile
     at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(per_item * (longest + 8));
-        std::vector<float> sums(per_item * 64), inv(per_item);  // per head: 64 dimensions' sums, 1 / the softmax's total
+        std::vector<float> scores(std::min<int64_t>(per_item, 6) * (longest + 8));
+        float* score[6];
+        for (int h = 0; h < std::min<int64_t>(per_item, 6); ++h) score[h] = &scores[h * (longest + 8)];
         for (int64_t item = begin; item < end; ++item) {
             const int64_t r = item / (heads / per_item), h0 = item % (heads / per_item) * per_item, s = session_of[r];
-            // The visible positions first .. first + seen - 1; score[j] is position first + j's.
+            // The visible positions first .. first + seen - 1; score[h][j] is position first + j's.
             const int64_t first = window ? std::max<int64_t>(0, position_of[r] + 1 - window) : 0;
             const int64_t seen = position_of[r] + 1 - first;
             const float* key = key_base[s] + ((h0 / group) * capacity[s] + first) * dim;
             const float* value = value_base[s] + ((h0 / group) * capacity[s] + first) * dim;
-            for (int64_t b = 0; b < seen; b += kBlock)
-                for (int64_t h = 0; h < per_item; ++h) {
-                    const float* qr = qs + (r * heads + h0 + h) * dim;
-                    float* score = &scores[h * (longest + 8)];
-                    const int64_t last = std::min(seen, b + kBlock);
-                    int64_t j = b;
-                    for (; j + 8 <= last; j += 8) dot8(qr, key + j * dim, dim, &score[j]);
-                    for (; j < last; ++j) score[j] = dot(qr, key + j * dim, dim);
-                }
-            for (int64_t h = 0; h < per_item; ++h) {
-                float* score = &scores[h * (longest + 8)];
-                float top = -INFINITY;
-                for (int64_t j = 0; j < seen; ++j) {
-                    score[j] = score[j] * (float)scale;
-                    if (softcap > 0) score[j] = (float)softcap * std::tanh(score[j] / (float)softcap);
-                    top = std::max(top, score[j]);
-                }
-                for (int64_t j = seen; j < ((seen + 7) & ~int64_t(7)); ++j) score[j] = -INFINITY;
-                __m256 total = _mm256_setzero_ps();
-                for (int64_t j = 0; j < seen; j += 8) {
-                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&score[j]), _mm256_set1_ps(top)));
-                    _mm256_storeu_ps(&score[j], e);
-                    total = _mm256_add_ps(total, e);
-                }
-                inv[h] = 1.f / hsum_f32(total);
-            }
-            // The weighted sum of values in slices of 64 of the head's dimensions (8 vectors in registers, AVX2
-            // having 16), each lane summed over the positions in order; kept in `sums` from one block to the next.
-            for (int64_t i = 0; i < dim; i += 64) {
-                const int n = (int)std::min<int64_t>(8, (dim - i) / 8);
-                for (int64_t b = 0; b < seen; b += kBlock)
-                    for (int64_t h = 0; h < per_item; ++h) {
-                        float* acc = &sums[h * 64];
-                        const float* w = &scores[h * (longest + 8)];
-                        const int64_t last = std::min(seen, b + kBlock);
-                        if (b == 0) std::fill(acc, acc + 8 * n, 0.f);
-                        if (n == 8) weighted_values<8>(w, value + i, b, last, dim, acc);
-                        else
-                            for (int t = 0; t < n; ++t) weighted_values<1>(w, value + i + 8 * t, b, last, dim, acc + 8 * t);
-                    }
-                for (int64_t h = 0; h < per_item; ++h) {
-                    float* o = os + (r * heads + h0 + h) * dim + i;
-                    for (int t = 0; t < n; ++t)
-                        _mm256_storeu_ps(o + 8 * t, _mm256_mul_ps(_mm256_loadu_ps(&sums[h * 64 + 8 * t]), _mm256_set1_ps(inv[h])));
+            for (int64_t h = 0; h < per_item; h += 6) {
+                const float* qh = qs + (r * heads + h0 + h) * dim;
+                float* o = os + (r * heads + h0 + h) * dim;
+                switch (std::min<int64_t>(6, per_item - h)) {
+                    case 1: attend_heads<1>(qh, key, value, seen, dim, scale, softcap, score, o); break;
+                    case 2: attend_heads<2>(qh, key, value, seen, dim, scale, softcap, score, o); break;
+                    case 3: attend_heads<3>(qh, key, value, seen, dim, scale, softcap, score, o); break;
+                    case 4: attend_heads<4>(qh, key, value, seen, dim, scale, softcap, score, o); break;
+                    case 5: attend_heads<5>(qh, key, value, seen, dim, scale, softcap, score, o); break;
+                    default: attend_heads<6>(qh, key, value, seen, dim, scale, softcap, score, o); break;
                 }
             }
         }
