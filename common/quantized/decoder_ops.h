@@ -34,90 +34,132 @@ inline float dot(const float* a, const float* b, int64_t d) {  // d a multiple o
     return hsum_f32(acc);
 }
 
-// score[h][j + p] = dot(q + h * d, keys + p * d, d) for H query heads and P keys at once: each key's products in
-// dot's own order (the same bits), in H x P independent chains so that their fused multiply-adds overlap, each 8
-// floats of a key loaded once for the H heads and of a query once for the P keys (H x P <= 12 accumulators, with
-// the keys and a query within AVX2's 16 registers).
-template <int H, int P>
-inline void dot_heads(const float* q, const float* keys, int64_t d, float* const* score, int64_t j) {
-    __m256 acc[H][P];
-    for (int h = 0; h < H; ++h)
-        for (int p = 0; p < P; ++p) acc[h][p] = _mm256_setzero_ps();
+// score[v][j + p] = dot(q[v], keys + p * d, d) for V query vectors and P keys at once: each key's products in dot's
+// own order (the same bits), in V x P independent chains so that their fused multiply-adds overlap, each 8 floats of
+// a key loaded once for the V vectors and of a vector once for the P keys (V x P <= 12 accumulators, with the keys
+// and a vector within AVX2's 16 registers).
+template <int V, int P>
+inline void dot_vectors(const float* const* q, const float* keys, int64_t d, float* const* score, int64_t j) {
+    __m256 acc[V][P];
+    for (int v = 0; v < V; ++v)
+        for (int p = 0; p < P; ++p) acc[v][p] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
         __m256 key[P];
         for (int p = 0; p < P; ++p) key[p] = _mm256_loadu_ps(keys + p * d + i);
-        for (int h = 0; h < H; ++h) {
-            const __m256 x = _mm256_loadu_ps(q + h * d + i);
-            for (int p = 0; p < P; ++p) acc[h][p] = _mm256_fmadd_ps(x, key[p], acc[h][p]);
+        for (int v = 0; v < V; ++v) {
+            const __m256 x = _mm256_loadu_ps(q[v] + i);
+            for (int p = 0; p < P; ++p) acc[v][p] = _mm256_fmadd_ps(x, key[p], acc[v][p]);
         }
     }
-    for (int h = 0; h < H; ++h)
-        for (int p = 0; p < P; ++p) score[h][j + p] = hsum_f32(acc[h][p]);
+    for (int v = 0; v < V; ++v)
+        for (int p = 0; p < P; ++p) score[v][j + p] = hsum_f32(acc[v][p]);
 }
 
-// o[h][8 t ..] = sum over positions j < seen of w[h][j] * value[j * dim + 8 t ..] for H heads and t < N, each lane
-// summed over the positions in their order (fused multiply-adds): each 8 floats of a value loaded once for the H
-// heads, the H x N sums in registers meanwhile.
-template <int H, int N>
-inline void weighted_values(const float* const* w, const float* value, int64_t seen, int64_t dim, __m256 (*sums)[N]) {
-    __m256 acc[H][N];
-    for (int h = 0; h < H; ++h)
-        for (int t = 0; t < N; ++t) acc[h][t] = _mm256_setzero_ps();
+// The scores of positions [first, last) for V vectors, P keys at a time (the rest one at a time: the same bits).
+template <int V, int P>
+inline void scores_of(const float* const* q, const float* key, int64_t first, int64_t last, int64_t d, float* const* score) {
+    int64_t j = first;
+    for (; j + P <= last; j += P) dot_vectors<V, P>(q, key + j * d, d, score, j);
+    for (; j < last; ++j) dot_vectors<V, 1>(q, key + j * d, d, score, j);
+}
+
+// sums[v][8 t ..] += sum over positions j in [first, last) of w[v][j] * value[j * dim + 8 t ..] for V vectors and
+// t < N, each lane summed over the positions in their order (fused multiply-adds; a sum carried on through memory
+// is the same float): each 8 floats of a value loaded once for the V vectors, the V x N sums in registers meanwhile.
+template <int V, int N>
+inline void weighted_values(const float* const* w, const float* value, int64_t first, int64_t last, int64_t dim, float* const* sums) {
+    __m256 acc[V][N];
+    for (int v = 0; v < V; ++v)
+        for (int t = 0; t < N; ++t) acc[v][t] = _mm256_loadu_ps(sums[v] + 8 * t);
+    for (int64_t j = first; j < last; ++j) {
+        __m256 x[N];
+        for (int t = 0; t < N; ++t) x[t] = _mm256_loadu_ps(value + j * dim + 8 * t);
+        for (int v = 0; v < V; ++v) {
+            const __m256 weight = _mm256_set1_ps(w[v][j]);
+            for (int t = 0; t < N; ++t) acc[v][t] = _mm256_fmadd_ps(weight, x[t], acc[v][t]);
+        }
+    }
+    for (int v = 0; v < V; ++v)
+        for (int t = 0; t < N; ++t) _mm256_storeu_ps(sums[v] + 8 * t, acc[v][t]);
+}
+
+// Calls f(std::integral_constant<int, n>()) for a count n in 1..6, the vectors of a call in registers.
+template <typename F>
+inline void with_count(int64_t n, F f) {
+    switch (n) {
+        case 1: f(std::integral_constant<int, 1>()); break;
+        case 2: f(std::integral_constant<int, 2>()); break;
+        case 3: f(std::integral_constant<int, 3>()); break;
+        case 4: f(std::integral_constant<int, 4>()); break;
+        case 5: f(std::integral_constant<int, 5>()); break;
+        default: f(std::integral_constant<int, 6>()); break;
+    }
+}
+
+// A vector's scores of positions 0 .. seen - 1 into their softmax's numerators, in place (the positions up to the
+// next multiple of 8 set to 0); returns 1 / their total.
+inline float softmax_numerators(float* score, int64_t seen, double scale, double softcap) {
+    float top = -INFINITY;
     for (int64_t j = 0; j < seen; ++j) {
-        __m256 v[N];
-        for (int t = 0; t < N; ++t) v[t] = _mm256_loadu_ps(value + j * dim + 8 * t);
-        for (int h = 0; h < H; ++h) {
-            const __m256 x = _mm256_set1_ps(w[h][j]);
-            for (int t = 0; t < N; ++t) acc[h][t] = _mm256_fmadd_ps(x, v[t], acc[h][t]);
-        }
+        score[j] = score[j] * (float)scale;
+        if (softcap > 0) score[j] = (float)softcap * std::tanh(score[j] / (float)softcap);
+        top = std::max(top, score[j]);
     }
-    for (int h = 0; h < H; ++h)
-        for (int t = 0; t < N; ++t) sums[h][t] = acc[h][t];
+    for (int64_t j = seen; j < ((seen + 7) & ~int64_t(7)); ++j) score[j] = -INFINITY;
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < seen; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&score[j]), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(&score[j], e);
+        total = _mm256_add_ps(total, e);
+    }
+    return 1.f / hsum_f32(total);
 }
 
-// One query row's H heads of one key-value group (H <= 6): the scores, softmax and weighted values of each head,
-// the keys and values read once for the H heads. Per head every product, sum and rounding is the one-head order.
-template <int H>
-inline void attend_heads(const float* q, const float* key, const float* value, int64_t seen, int64_t dim, double scale,
-                         double softcap, float* const* score, float* o) {
-    // Keys P at a time: 8 for one head, as many as keep H x P accumulators near 8-12.
-    constexpr int P = H == 1 ? 8 : H == 2 ? 4 : H == 3 ? 3 : 2;
-    int64_t j = 0;
-    for (; j + P <= seen; j += P) dot_heads<H, P>(q, key + j * dim, dim, score, j);
-    for (; j < seen; ++j)
-        for (int h = 0; h < H; ++h) score[h][j] = dot(q + h * dim, key + j * dim, dim);
-    float inv[H];
-    for (int h = 0; h < H; ++h) {
-        float* sc = score[h];
-        float top = -INFINITY;
-        for (int64_t j = 0; j < seen; ++j) {
-            sc[j] = sc[j] * (float)scale;
-            if (softcap > 0) sc[j] = (float)softcap * std::tanh(sc[j] / (float)softcap);
-            top = std::max(top, sc[j]);
-        }
-        for (int64_t j = seen; j < ((seen + 7) & ~int64_t(7)); ++j) sc[j] = -INFINITY;
-        __m256 total = _mm256_setzero_ps();
-        for (int64_t j = 0; j < seen; j += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&sc[j]), _mm256_set1_ps(top)));
-            _mm256_storeu_ps(&sc[j], e);
-            total = _mm256_add_ps(total, e);
-        }
-        inv[h] = 1.f / hsum_f32(total);
+// One key-value group's attention for `count` query vectors (a row's heads, or the heads of a few consecutive rows
+// of one session): vector v reads q[v], sees positions 0 .. seen[v] - 1 of key and value, and writes o[v]; seen[0]
+// is the fewest. Positions are taken kBlock at a time, and each block of keys and values, read into L1 once, serves
+// every vector (6 at a time in registers); the positions beyond seen[0] go vector by vector. Per vector every product,
+// sum and rounding is in the one order of a row alone: the same bits in any pass.
+constexpr int64_t kBlock = 32;  // positions: 16 KB of 128-wide keys, or values
+inline void attend_vectors(int64_t count, const float* const* q, const int64_t* seen, const float* key, const float* value,
+                           int64_t dim, double scale, double softcap, float* const* score, float* const* sums, float* const* o) {
+    // A single chunk of vectors reads each key and value once anyway: one block.
+    const int64_t common = seen[0], block = count > 6 ? kBlock : common;
+    for (int64_t b = 0; b < common; b += block)
+        for (int64_t v = 0; v < count; v += 6)
+            with_count(std::min<int64_t>(6, count - v), [&](auto n) {
+                // Keys 8 at a time for one vector, 4 for two, else 2: 8-12 chains.
+                constexpr int C = decltype(n)::value, P = C == 1 ? 8 : C == 2 ? 4 : 2;
+                scores_of<C, P>(q + v, key, b, std::min(common, b + block), dim, score + v);
+            });
+    for (int64_t v = 0; v < count; ++v) scores_of<1, 8>(q + v, key, common, seen[v], dim, score + v);
+    std::vector<float> inv(count);
+    for (int64_t v = 0; v < count; ++v) {
+        inv[v] = softmax_numerators(score[v], seen[v], scale, softcap);
+        std::fill(sums[v], sums[v] + dim, 0.f);
     }
-    // The weighted values in slices of 8 N dimensions: 64 for one head (8 registers of sums), 32 for two, 16 beyond.
-    constexpr int N = H == 1 ? 8 : H == 2 ? 4 : 2;
-    int64_t i = 0;
-    auto store = [&](int h, int64_t at, __m256 sum) { _mm256_storeu_ps(o + h * dim + at, _mm256_mul_ps(sum, _mm256_set1_ps(inv[h]))); };
-    for (; i + 8 * N <= dim; i += 8 * N) {
-        __m256 sums[H][N];
-        weighted_values<H, N>(score, value + i, seen, dim, sums);
-        for (int h = 0; h < H; ++h)
-            for (int t = 0; t < N; ++t) store(h, i + 8 * t, sums[h][t]);
-    }
-    for (; i < dim; i += 8) {
-        __m256 sums[H][1];
-        weighted_values<H, 1>(score, value + i, seen, dim, sums);
-        for (int h = 0; h < H; ++h) store(h, i, sums[h][0]);
+    // Values in slices of 64 dimensions for one vector (8 registers of sums), 32 for two, 16 beyond; 8 at the end.
+    auto values_of = [&](int64_t v, int64_t n, int64_t first, int64_t last) {
+        with_count(n, [&](auto c) {
+            constexpr int C = decltype(c)::value, N = C == 1 ? 8 : C == 2 ? 4 : 2;
+            float* at[C];
+            int64_t i = 0;
+            for (; i + 8 * N <= dim; i += 8 * N) {
+                for (int u = 0; u < C; ++u) at[u] = sums[v + u] + i;
+                weighted_values<C, N>(score + v, value + i, first, last, dim, at);
+            }
+            for (; i < dim; i += 8) {
+                for (int u = 0; u < C; ++u) at[u] = sums[v + u] + i;
+                weighted_values<C, 1>(score + v, value + i, first, last, dim, at);
+            }
+        });
+    };
+    for (int64_t b = 0; b < common; b += block)
+        for (int64_t v = 0; v < count; v += 6) values_of(v, std::min<int64_t>(6, count - v), b, std::min(common, b + block));
+    for (int64_t v = 0; v < count; ++v) {
+        if (seen[v] > common) values_of(v, 1, common, seen[v]);
+        for (int64_t i = 0; i < dim; i += 8)
+            _mm256_storeu_ps(o[v] + i, _mm256_mul_ps(_mm256_loadu_ps(sums[v] + i), _mm256_set1_ps(inv[v])));
     }
 }
 
@@ -224,35 +266,45 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     }
     auto out = torch::empty({rows, heads * dim}, q.options());
     float* os = out.data_ptr<float>();
-    // An item is a row's heads of one key-value group, up to 6 at a time (attend_heads), or, where a call has too
-    // few rows to give every thread work that way, one head of a row.
-    const int64_t group = heads / kv_heads;
-    const int64_t per_item = rows * kv_heads >= 2 * at::get_num_threads() ? group : 1, items = rows * heads / per_item;
+    // An item is a key-value group of a block of up to kRows consecutive rows of one session (their query heads
+    // together: each block of keys and values read once for all of them), or, where a call has too few rows to give
+    // every thread work that way (or a sliding window gives each row its own first position), of one row, or one
+    // head of a row.
+    constexpr int64_t kRows = 8;
+    const int64_t group = heads / kv_heads, threads = at::get_num_threads();
+    const int64_t per_row = rows * kv_heads >= 2 * threads ? group : 1;
+    const int64_t block_rows = !window && per_row == group && rows * kv_heads >= 2 * threads * kRows ? kRows : 1;
+    std::vector<int64_t> block_first;  // each block's first row; blocks never span two sessions
+    for (int64_t r = 0; r < rows; ++r)
+        if (r == 0 || session_of[r] != session_of[r - 1] || r - block_first.back() == block_rows) block_first.push_back(r);
+    block_first.push_back(rows);
+    const int64_t blocks = (int64_t)block_first.size() - 1, parts = heads / per_row, items = blocks * parts;
     // Few rows over a short cache are cheaper on one thread than a fork and join.
     const int64_t grain = rows * heads * longest * dim < (1 << 18) ? items : 1;
     at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(std::min<int64_t>(per_item, 6) * (longest + 8));
-        float* score[6];
-        for (int h = 0; h < std::min<int64_t>(per_item, 6); ++h) score[h] = &scores[h * (longest + 8)];
+        const int64_t most = block_rows * per_row;
+        std::vector<float> scores(most * (longest + 8)), sums(most * dim);
+        std::vector<const float*> q(most);
+        std::vector<float*> score(most), sum(most), o(most);
+        std::vector<int64_t> seen(most);
+        for (int64_t v = 0; v < most; ++v) {
+            score[v] = &scores[v * (longest + 8)];
+            sum[v] = &sums[v * dim];
+        }
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t r = item / (heads / per_item), h0 = item % (heads / per_item) * per_item, s = session_of[r];
-            // The visible positions first .. first + seen - 1; score[h][j] is position first + j's.
-            const int64_t first = window ? std::max<int64_t>(0, position_of[r] + 1 - window) : 0;
-            const int64_t seen = position_of[r] + 1 - first;
+            const int64_t r0 = block_first[item / parts], h0 = item % parts * per_row, s = session_of[r0];
+            const int64_t count = (block_first[item / parts + 1] - r0) * per_row;
+            // The visible positions first .. first + seen - 1; score[v][j] is position first + j's.
+            const int64_t first = window ? std::max<int64_t>(0, position_of[r0] + 1 - window) : 0;
+            for (int64_t v = 0; v < count; ++v) {
+                const int64_t r = r0 + v / per_row, h = h0 + v % per_row;
+                q[v] = qs + (r * heads + h) * dim;
+                o[v] = os + (r * heads + h) * dim;
+                seen[v] = position_of[r] + 1 - first;
+            }
             const float* key = key_base[s] + ((h0 / group) * capacity[s] + first) * dim;
             const float* value = value_base[s] + ((h0 / group) * capacity[s] + first) * dim;
-            for (int64_t h = 0; h < per_item; h += 6) {
-                const float* qh = qs + (r * heads + h0 + h) * dim;
-                float* o = os + (r * heads + h0 + h) * dim;
-                switch (std::min<int64_t>(6, per_item - h)) {
-                    case 1: attend_heads<1>(qh, key, value, seen, dim, scale, softcap, score, o); break;
-                    case 2: attend_heads<2>(qh, key, value, seen, dim, scale, softcap, score, o); break;
-                    case 3: attend_heads<3>(qh, key, value, seen, dim, scale, softcap, score, o); break;
-                    case 4: attend_heads<4>(qh, key, value, seen, dim, scale, softcap, score, o); break;
-                    case 5: attend_heads<5>(qh, key, value, seen, dim, scale, softcap, score, o); break;
-                    default: attend_heads<6>(qh, key, value, seen, dim, scale, softcap, score, o); break;
-                }
-            }
+            attend_vectors(count, q.data(), seen.data(), key, value, dim, scale, softcap, score.data(), sum.data(), o.data());
         }
     });
     return out;
