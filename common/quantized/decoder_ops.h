@@ -122,7 +122,8 @@ inline float softmax_numerators(float* score, int64_t seen, double scale, double
 // sum and rounding is in the one order of a row alone: the same bits in any pass.
 constexpr int64_t kBlock = 32;  // positions: 16 KB of 128-wide keys, or values
 inline void attend_vectors(int64_t count, const float* const* q, const int64_t* seen, const float* key, const float* value,
-                           int64_t dim, double scale, double softcap, float* const* score, float* const* sums, float* const* o) {
+                           int64_t dim, double scale, double softcap, float* const* score, float* const* sums, float* inv,
+                           float* const* o) {
     // A single chunk of vectors reads each key and value once anyway: one block.
     const int64_t common = seen[0], block = count > 6 ? kBlock : common;
     for (int64_t b = 0; b < common; b += block)
@@ -133,7 +134,6 @@ inline void attend_vectors(int64_t count, const float* const* q, const int64_t* 
                 scores_of<C, P>(q + v, key, b, std::min(common, b + block), dim, score + v);
             });
     for (int64_t v = 0; v < count; ++v) scores_of<1, 8>(q + v, key, common, seen[v], dim, score + v);
-    std::vector<float> inv(count);
     for (int64_t v = 0; v < count; ++v) {
         inv[v] = softmax_numerators(score[v], seen[v], scale, softcap);
         std::fill(sums[v], sums[v] + dim, 0.f);
@@ -283,7 +283,7 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     const int64_t grain = rows * heads * longest * dim < (1 << 18) ? items : 1;
     at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
         const int64_t most = block_rows * per_row;
-        std::vector<float> scores(most * (longest + 8)), sums(most * dim);
+        std::vector<float> scores(most * (longest + 8)), sums(most * dim), inv(most);
         std::vector<const float*> q(most);
         std::vector<float*> score(most), sum(most), o(most);
         std::vector<int64_t> seen(most);
@@ -304,7 +304,7 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
             }
             const float* key = key_base[s] + ((h0 / group) * capacity[s] + first) * dim;
             const float* value = value_base[s] + ((h0 / group) * capacity[s] + first) * dim;
-            attend_vectors(count, q.data(), seen.data(), key, value, dim, scale, softcap, score.data(), sum.data(), o.data());
+            attend_vectors(count, q.data(), seen.data(), key, value, dim, scale, softcap, score.data(), sum.data(), inv.data(), o.data());
         }
     });
     return out;

@@ -28,11 +28,18 @@ inline void configure_tiles() {
 constexpr int kTile = 16;  // rows and output columns per tile
 constexpr int kChunk = 64;  // weights (K) per tile product
 
-// n values of T, not initialised.
+// n values of T on 64-byte boundaries, not initialised (std::vector does not align to the 64 bytes of __m512 members
+// here, and zeroes what it allocates). At least 64 bytes, so that no count gives a null pointer.
 template <typename T>
-struct Uninitialised {
-    std::unique_ptr<T[]> data;
-    explicit Uninitialised(int64_t n) : data(new T[n]) {}
+struct AlignedArray {
+    T* data;
+    explicit AlignedArray(int64_t n)
+        : data(static_cast<T*>(std::aligned_alloc(64, std::max<int64_t>(1, (n * sizeof(T) + 63) / 64) * 64))) {
+        TORCH_CHECK(data, "out of memory");
+    }
+    ~AlignedArray() { std::free(data); }
+    AlignedArray(const AlignedArray&) = delete;
+    AlignedArray& operator=(const AlignedArray&) = delete;
     T& operator[](int64_t i) { return data[i]; }
     const T& operator[](int64_t i) const { return data[i]; }
 };
@@ -44,9 +51,9 @@ struct AmxRows {
     int64_t tiles, k, blocks, pairs;
     // Left uninitialised at allocation (a single thread's memset of 4.6 MB for 512 rows of ffn_down's input) and
     // written in full by the threads, padding rows as zeros.
-    Uninitialised<int8_t> b;      // [tile][k / 4][16][4]
-    Uninitialised<float> scale;   // [tile][block][16]
-    Uninitialised<int16_t> sums;  // [tile][pair of groups][16][2]
+    AlignedArray<int8_t> b;      // [tile][k / 4][16][4]
+    AlignedArray<float> scale;   // [tile][block][16]
+    AlignedArray<int16_t> sums;  // [tile][pair of groups][16][2]
     AmxRows(const QuantizedRows& a, int64_t rows, bool with_sums)
         : tiles((rows + kTile - 1) / kTile), k(a.k), blocks(a.blocks), pairs(with_sums ? a.groups / 2 : 0),
           b(tiles * kTile * k), scale(tiles * blocks * kTile), sums(tiles * pairs * kTile * 2) {
@@ -153,19 +160,6 @@ inline void store_tile(__m512* values, int64_t tile, int64_t rows, int64_t n0, i
     for (int64_t lane = 0; lane < kTile && tile * kTile + lane < rows; ++lane)
         _mm512_mask_storeu_ps(y + (tile * kTile + lane) * out_features + n0, valid, values[lane]);
 }
-
-// n values of T on 64-byte boundaries (std::vector does not align to the 64 bytes of __m512 members here).
-template <typename T>
-struct AlignedArray {
-    T* data;
-    explicit AlignedArray(int64_t n) : data(static_cast<T*>(std::aligned_alloc(64, ((n * sizeof(T) + 63) / 64) * 64))) {
-        TORCH_CHECK(data, "out of memory");
-    }
-    ~AlignedArray() { std::free(data); }
-    AlignedArray(const AlignedArray&) = delete;
-    AlignedArray& operator=(const AlignedArray&) = delete;
-    T& operator[](int64_t i) { return data[i]; }
-};
 
 // A superblock's integer total of output column m for the tile's 16 rows: low + (high << shift) (exact).
 template <int kShift>

@@ -21,14 +21,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <type_traits>
-#include <algorithm>
-#include <memory>
 #include <vector>
 
 namespace {
@@ -39,16 +38,16 @@ namespace {
 
 // ---- activation quantization -------------------------------------------------------------------------------
 
-// One row, blocks of `block` values: q = round(x * 127 / amax), scale = amax / 127. sums[g] = sum of q over each
-// group of `group` values (the offsets of unsigned weight codes are applied through them). Eight values at a time:
-// the maximum is the same in any order, and rounding to the nearest integer, halves to even, is what nearbyint does
-// in the default rounding mode. Blocks are multiples of 32 values and groups of 16 or 32 (the formats').
 inline int32_t hsum_i32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
+// One row, blocks of `block` values: q = round(x * 127 / amax), scale = amax / 127. sums[g] = sum of q over each
+// group of `group` values (the offsets of unsigned weight codes are applied through them). Eight values at a time:
+// the maximum is the same in any order, and rounding to the nearest integer, halves to even, is what nearbyint does
+// in the default rounding mode. Blocks are multiples of 32 values and groups of 16 or 32 (the formats').
 void quantize_row(const float* x, int64_t k, int block, int group, int8_t* q, float* scale, int16_t* sums) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs interleave 128-bit lanes: undone

@@ -61,10 +61,10 @@ def test_attention_over_several_sessions_matches_causal_sdpa_on_each_and_appends
 
 @pytest.mark.parametrize("dim", [64, 72, 128, 256])
 def test_a_query_rows_attention_is_bit_identical_in_a_pass_of_any_length_and_matches_sdpa(dim):
-    """Scores in blocks of 8 positions and values in slices of 64 dimensions (with what is left of either), the heads
-    of a key-value group together over blocks of 32 positions in a pass of several rows and one head at a time in a
-    step, give every row the bits it gets alone as a one-token step at its position: a prefill of 80 rows, one row
-    at a time, and rows beside another session all agree; the context lengths 1..80 cross every block's edges."""
+    """One head at a time in a step, a key-value group's heads together in a pass of a few rows, and blocks of 8
+    rows over blocks of 32 positions in a long pass (with what is left of either) give every row the bits it gets
+    alone as a one-token step at its position: a prefill of 80 rows, one row at a time, and rows beside another
+    session all agree; the context lengths 1..80 cross every block's edges."""
     heads, kv_heads, rows = 4, 2, 80
     q, k, v = torch.randn(rows, heads, dim), torch.randn(rows, kv_heads, dim), torch.randn(rows, kv_heads, dim)
 
