@@ -99,16 +99,33 @@ inline void with_count(int64_t n, F f) {
 // A vector's scores of positions 0 .. seen - 1 into their softmax's numerators, in place (the positions up to the
 // next multiple of 8 set to 0); returns 1 / their total.
 inline float softmax_numerators(float* score, int64_t seen, double scale, double softcap) {
-    float top = -INFINITY;
-    for (int64_t j = 0; j < seen; ++j) {
+    const int64_t padded = (seen + 7) & ~int64_t(7);
+    // The scaled scores and their largest (max is exact: any order finds it), in 4 chains of 8 lanes.
+    __m256 most[4];
+    for (auto& m : most) m = _mm256_set1_ps(-INFINITY);
+    int64_t done = 0;
+    if (softcap == 0) {
+        const __m256 factor = _mm256_set1_ps((float)scale);
+        for (; done + 32 <= seen; done += 32)
+            for (int c = 0; c < 4; ++c) {
+                const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(&score[done + 8 * c]), factor);
+                _mm256_storeu_ps(&score[done + 8 * c], x);
+                most[c] = _mm256_max_ps(most[c], x);
+            }
+    }
+    for (int64_t j = done; j < seen; ++j) {
         score[j] = score[j] * (float)scale;
         if (softcap > 0) score[j] = (float)softcap * std::tanh(score[j] / (float)softcap);
-        top = std::max(top, score[j]);
     }
-    for (int64_t j = seen; j < ((seen + 7) & ~int64_t(7)); ++j) score[j] = -INFINITY;
+    for (int64_t j = seen; j < padded; ++j) score[j] = -INFINITY;
+    for (int64_t j = done; j < padded; j += 8) most[0] = _mm256_max_ps(most[0], _mm256_loadu_ps(&score[j]));
+    const __m256 all = _mm256_max_ps(_mm256_max_ps(most[0], most[1]), _mm256_max_ps(most[2], most[3]));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const __m256 top = _mm256_set1_ps(std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_movehdup_ps(m))));
     __m256 total = _mm256_setzero_ps();
     for (int64_t j = 0; j < seen; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&score[j]), _mm256_set1_ps(top)));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&score[j]), top));
         _mm256_storeu_ps(&score[j], e);
         total = _mm256_add_ps(total, e);
     }
@@ -118,21 +135,32 @@ inline float softmax_numerators(float* score, int64_t seen, double scale, double
 // One key-value group's attention for `count` query vectors (a row's heads, or the heads of a few consecutive rows
 // of one session): vector v reads q[v], sees positions 0 .. seen[v] - 1 of key and value, and writes o[v]; seen[0]
 // is the fewest. Positions are taken kBlock at a time, and each block of keys and values, read into L1 once, serves
-// every vector (6 at a time in registers); the positions beyond seen[0] go vector by vector. Per vector every product,
-// sum and rounding is in the one order of a row alone: the same bits in any pass.
+// every vector (6 at a time in registers, 8 on 512-bit ones); the positions beyond seen[0] go vector by vector. Per
+// vector every product, sum and rounding is in the one order of a row alone: the same bits in any pass, on either
+// register width (attention_avx512.h). pairs: room for wide::pair_vectors' (count + 1) x dim floats.
 constexpr int64_t kBlock = 32;  // positions: 16 KB of 128-wide keys, or values
 inline void attend_vectors(int64_t count, const float* const* q, const int64_t* seen, const float* key, const float* value,
                            int64_t dim, double scale, double softcap, float* const* score, float* const* sums, float* inv,
-                           float* const* o) {
+                           float* pairs, float* const* o) {
+    const bool wide = isa_in_use != Isa::avx2 && dim % 16 == 0;
+    const int64_t chunk = wide ? 8 : 6;
     // A single chunk of vectors reads each key and value once anyway: one block.
-    const int64_t common = seen[0], block = count > 6 ? kBlock : common;
+    const int64_t common = seen[0], block = count > chunk ? kBlock : common;
+    if (wide) wide::pair_vectors(count, q, dim, pairs);
     for (int64_t b = 0; b < common; b += block)
-        for (int64_t v = 0; v < count; v += 6)
-            with_count(std::min<int64_t>(6, count - v), [&](auto n) {
+        for (int64_t v = 0; v < count; v += chunk) {
+            const int64_t n = std::min(chunk, count - v), last = std::min(common, b + block);
+            if (wide) {
+                const int64_t rest = wide::scores_of(pairs + v * dim, n, key, b, last, dim, score + v);
+                for (int64_t u = v; u < v + n; ++u) scores_of<1, 8>(q + u, key, rest, last, dim, score + u);
+                continue;
+            }
+            with_count(n, [&](auto c) {
                 // Keys 8 at a time for one vector, 4 for two, else 2: 8-12 chains.
-                constexpr int C = decltype(n)::value, P = C == 1 ? 8 : C == 2 ? 4 : 2;
-                scores_of<C, P>(q + v, key, b, std::min(common, b + block), dim, score + v);
+                constexpr int C = decltype(c)::value, P = C == 1 ? 8 : C == 2 ? 4 : 2;
+                scores_of<C, P>(q + v, key, b, last, dim, score + v);
             });
+        }
     for (int64_t v = 0; v < count; ++v) scores_of<1, 8>(q + v, key, common, seen[v], dim, score + v);
     for (int64_t v = 0; v < count; ++v) {
         inv[v] = softmax_numerators(score[v], seen[v], scale, softcap);
@@ -140,6 +168,7 @@ inline void attend_vectors(int64_t count, const float* const* q, const int64_t* 
     }
     // Values in slices of 64 dimensions for one vector (8 registers of sums), 32 for two, 16 beyond; 8 at the end.
     auto values_of = [&](int64_t v, int64_t n, int64_t first, int64_t last) {
+        if (wide) return wide::values_of(n, score + v, value, first, last, dim, sums + v);
         with_count(n, [&](auto c) {
             constexpr int C = decltype(c)::value, N = C == 1 ? 8 : C == 2 ? 4 : 2;
             float* at[C];
@@ -155,7 +184,7 @@ inline void attend_vectors(int64_t count, const float* const* q, const int64_t* 
         });
     };
     for (int64_t b = 0; b < common; b += block)
-        for (int64_t v = 0; v < count; v += 6) values_of(v, std::min<int64_t>(6, count - v), b, std::min(common, b + block));
+        for (int64_t v = 0; v < count; v += chunk) values_of(v, std::min(chunk, count - v), b, std::min(common, b + block));
     for (int64_t v = 0; v < count; ++v) {
         if (seen[v] > common) values_of(v, 1, common, seen[v]);
         for (int64_t i = 0; i < dim; i += 8)
@@ -283,7 +312,7 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     const int64_t grain = rows * heads * longest * dim < (1 << 18) ? items : 1;
     at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
         const int64_t most = block_rows * per_row;
-        std::vector<float> scores(most * (longest + 8)), sums(most * dim), inv(most);
+        std::vector<float> scores(most * (longest + 8)), sums(most * dim), inv(most), pairs((most + 1) * dim);
         std::vector<const float*> q(most);
         std::vector<float*> score(most), sum(most), o(most);
         std::vector<int64_t> seen(most);
@@ -304,7 +333,7 @@ torch::Tensor attend_sessions(torch::Tensor q, torch::Tensor k, torch::Tensor v,
             }
             const float* key = key_base[s] + ((h0 / group) * capacity[s] + first) * dim;
             const float* value = value_base[s] + ((h0 / group) * capacity[s] + first) * dim;
-            attend_vectors(count, q.data(), seen.data(), key, value, dim, scale, softcap, score.data(), sum.data(), inv.data(), o.data());
+            attend_vectors(count, q.data(), seen.data(), key, value, dim, scale, softcap, score.data(), sum.data(), inv.data(), pairs.data(), o.data());
         }
     });
     return out;

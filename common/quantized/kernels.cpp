@@ -193,8 +193,6 @@ inline void q6k_codes(const Q6K& w, int64_t s, int half, __m256i v[4]) {
 }
 struct Q80 { const int8_t* codes; const uint16_t* d_tiles; int64_t k; };
 
-#include "decoder_ops.h"
-
 // The two float numerics of Q4_K and Q6_K (kernel_rows.h explains them): Totals where AMX or AVX2's tiles run the
 // products, Lanes on VNNI machines without AMX unless a process asks for Totals. One process computes in one of
 // them (totals_in_use), whatever the instruction set and row count.
@@ -398,6 +396,11 @@ torch::Tensor q80_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor d, 
     return product(w, x, n, 32, 32, FormatKernels<Q80>{&avx2::q80, &vnni::q80, &avx2::q80, &vnni::q80});
 }
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+#include "attention_avx512.h"
+#pragma GCC pop_options
+#include "decoder_ops.h"
 #include "decoder_layers.h"
 
 // The activation quantization alone, for the tests' float64 reference: (codes, scales).

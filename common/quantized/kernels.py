@@ -5,6 +5,7 @@ find them; `python -m specdec.common.quantized.kernels` builds them ahead of tim
 They need an x86-64 CPU with AVX2 and FMA, and a C++ compiler.
 """
 
+import ctypes
 import functools
 import hashlib
 import importlib.util
@@ -23,7 +24,15 @@ SOURCE = Path(__file__).with_name("kernels.cpp")
 # Included by SOURCE.
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("kernel_rows.h", "kernel_columns.h", "kernel_wide_tiles.h", "kernel_amx.h", "decoder_ops.h", "decoder_layers.h")
+    for name in (
+        "kernel_rows.h",
+        "kernel_columns.h",
+        "kernel_wide_tiles.h",
+        "kernel_amx.h",
+        "attention_avx512.h",
+        "decoder_ops.h",
+        "decoder_layers.h",
+    )
 ]
 NAME = "specdec_gguf_kernels"
 # Flags every AVX2 machine has, never -march=native: one cache directory (a Docker image, a shared volume) may
@@ -99,12 +108,32 @@ def use_kernels(module, isa: str, numerics: str) -> None:
     module.set_isa(isa)
 
 
+# glibc's malloc hands a freed block of over 32 MB back to the kernel at once (the ceiling of its dynamic mmap
+# threshold) and trims its heap whenever 128 KB lie free at the top. A long pass allocates tens of MB a layer (the
+# MLP's activations, the quantized rows, the attention's scores), so every layer faulted in and zeroed fresh pages:
+# about a sixth of a 1,024-token prefill (docs/results/2026-12-07-attention-on-512-bit-registers.md). Above these
+# thresholds freed memory stays with the process for the next layer's buffers; the peak is what a pass needs either way.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEPT_BYTES = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Let malloc keep up to KEPT_BYTES of freed memory and serve blocks up to that size from its heap, where the C
+    library is glibc; returns whether it did."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    return mallopt(M_MMAP_THRESHOLD, KEPT_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, KEPT_BYTES) == 1
+
+
 @functools.cache
 def kernels():
-    """The compiled module (built on first use), on the instruction set and numerics the environment pins, if any."""
+    """The compiled module (built on first use), on the instruction set and numerics the environment pins, if any,
+    in a process whose malloc keeps freed memory for the next pass (keep_freed_memory)."""
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(f"the gguf kernels cannot run here: {reason}")
+    keep_freed_memory()
     build = build_directory()
     module = import_built(build) or build_module(build)
     pin_isa(module)

@@ -4,6 +4,7 @@ exact distribution by chi-square)."""
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import os
 import re
@@ -122,6 +123,25 @@ def test_activations_quantize_to_the_nearest_code_of_their_blocks_maximum(block)
     assert not codes[1, :block].any() and scales[1, 0] == 0
     assert codes[2, 1:block].tolist() == [round(v) for v in x[2, 1:block].tolist()]  # Python's round: halves to even
     assert codes[2, 1].item() == -30
+
+
+def test_a_process_running_the_kernels_keeps_freed_memory_for_the_next_pass():
+    """Loading the kernels raises glibc's mmap and trim thresholds: a freed 256 MB block (a long pass's activations)
+    stays in malloc's free bytes for the next layer, where glibc's defaults hand it back to the kernel at once."""
+    kernels()
+    mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if mallinfo2 is None:
+        pytest.skip("the C library is not glibc 2.33 or later")
+
+    class Mallinfo2(ctypes.Structure):
+        names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        _fields_ = [(name, ctypes.c_size_t) for name in names]
+
+    mallinfo2.restype = Mallinfo2
+    block = torch.ones(256 << 20, dtype=torch.uint8)
+    free_before = mallinfo2().fordblks
+    del block
+    assert mallinfo2().fordblks - free_before >= 256 << 20
 
 
 def test_the_kernels_compute_without_holding_the_gil():

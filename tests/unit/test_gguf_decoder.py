@@ -107,6 +107,44 @@ def test_a_query_rows_attention_is_bit_identical_in_a_pass_of_any_length_and_mat
     assert torch.allclose(prefill.double(), expected[0].transpose(0, 1).reshape(rows, heads * dim), atol=2e-6)
 
 
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_attention_on_512_bit_registers_gives_the_bits_of_256_bit_ones(dim):
+    """On an AVX-512 machine a pass's attention runs two 8-lane chains a register (attention_avx512.h); every row's
+    bits equal those of the AVX2 kernels: long passes in blocks of rows (with the keys left over from groups of 4),
+    a few rows, one-row steps, several sessions, a sliding window and soft-capped scores."""
+    ops = kernels()
+    if ops.isa() == "avx2":
+        pytest.skip("this CPU has no AVX-512: its attention runs on 256-bit registers only")
+    own = ops.isa()
+    generator = torch.Generator().manual_seed(dim)
+    heads, kv_heads = 6, 2
+    # rows, each session's cached positions and new rows, window, soft cap
+    cases = [
+        (70, [0], [70], 0, 0.0),
+        (5, [33], [5], 0, 0.0),
+        (1, [41], [1], 0, 0.0),
+        (50, [0, 9], [23, 27], 0, 0.0),
+        (40, [3], [40], 16, 30.0),
+    ]
+
+    def attend(q, k, v, buffers, starts, lengths, window, softcap):
+        keys, values = [b[0].clone() for b in buffers], [b[1].clone() for b in buffers]
+        return ops.attend_sessions(q, k, v, keys, values, starts, lengths, dim**-0.5, window, softcap)
+
+    for rows, starts, lengths, window, softcap in cases:
+        q, k, v = (torch.randn(rows, n, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
+        sizes = [start + length for start, length in zip(starts, lengths, strict=True)]
+        buffers = [torch.randn(2, 1, kv_heads, size, dim, generator=generator) for size in sizes]
+        case = (q, k, v, buffers, starts, lengths, window, softcap)
+        wide = attend(*case)
+        try:
+            ops.set_isa("avx2")
+            narrow = attend(*case)
+        finally:
+            ops.set_isa(own)
+        assert torch.equal(wide, narrow), (rows, starts, lengths, window, softcap)
+
+
 def test_sliding_window_attention_with_soft_capped_scores_matches_its_definition_on_each_session():
     """A sliding-window layer's row at position p sees positions p - window + 1 .. p (transformers' sliding window
     mask), its scores soft-capped (cap * tanh(score / cap)) before the softmax; sessions start before and past the
