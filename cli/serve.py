@@ -76,17 +76,21 @@ def startup_reason(error: Exception) -> str:
 
 
 def serve_role(args: argparse.Namespace, options: ServerOptions) -> int:
+    from specdec.common.memory import keep_freed_memory
+
     if args.role == "target":
         from specdec.target_worker.server import serve
 
         config = from_arguments(args, WorkerConfig)
         limit_compute(config.threads, config.cpus)
+        keep_freed_memory()
         asyncio.run(serve(config, options))
     elif args.role == "draft":
         from specdec.draft_worker.server import serve
 
         config = from_arguments(args, DraftWorkerConfig)
         limit_compute(config.threads, config.cpus)
+        keep_freed_memory()
         asyncio.run(serve(config, options))
     else:
         from specdec.coordinator.workers import IncompatibleWorkers

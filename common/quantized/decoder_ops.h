@@ -137,20 +137,21 @@ inline float softmax_numerators(float* score, int64_t seen, double scale, double
 // is the fewest. Positions are taken kBlock at a time, and each block of keys and values, read into L1 once, serves
 // every vector (6 at a time in registers, 8 on 512-bit ones); the positions beyond seen[0] go vector by vector. Per
 // vector every product, sum and rounding is in the one order of a row alone: the same bits in any pass, on either
-// register width (attention_avx512.h). pairs: room for wide::pair_vectors' (count + 1) x dim floats.
+// register width (attention_avx512.h, for two vectors or more: a lone vector's scores would fill half of each
+// register). pairs: room for wide::pair_vectors' (count + 1) x dim floats.
 constexpr int64_t kBlock = 32;  // positions: 16 KB of 128-wide keys, or values
 inline void attend_vectors(int64_t count, const float* const* q, const int64_t* seen, const float* key, const float* value,
                            int64_t dim, double scale, double softcap, float* const* score, float* const* sums, float* inv,
                            float* pairs, float* const* o) {
-    const bool wide = isa_in_use != Isa::avx2 && dim % 16 == 0;
-    const int64_t chunk = wide ? 8 : 6;
+    const bool on_512_bits = isa_in_use != Isa::avx2 && dim % 16 == 0 && count > 1;
+    const int64_t chunk = on_512_bits ? 8 : 6;
     // A single chunk of vectors reads each key and value once anyway: one block.
     const int64_t common = seen[0], block = count > chunk ? kBlock : common;
-    if (wide) wide::pair_vectors(count, q, dim, pairs);
+    if (on_512_bits) wide::pair_vectors(count, q, dim, pairs);
     for (int64_t b = 0; b < common; b += block)
         for (int64_t v = 0; v < count; v += chunk) {
             const int64_t n = std::min(chunk, count - v), last = std::min(common, b + block);
-            if (wide) {
+            if (on_512_bits) {
                 const int64_t rest = wide::scores_of(pairs + v * dim, n, key, b, last, dim, score + v);
                 for (int64_t u = v; u < v + n; ++u) scores_of<1, 8>(q + u, key, rest, last, dim, score + u);
                 continue;
@@ -166,9 +167,10 @@ inline void attend_vectors(int64_t count, const float* const* q, const int64_t* 
         inv[v] = softmax_numerators(score[v], seen[v], scale, softcap);
         std::fill(sums[v], sums[v] + dim, 0.f);
     }
-    // Values in slices of 64 dimensions for one vector (8 registers of sums), 32 for two, 16 beyond; 8 at the end.
+    // On 256-bit registers, values in slices of 64 dimensions for one vector (8 registers of sums), 32 for two, 16
+    // beyond; 8 at the end.
     auto values_of = [&](int64_t v, int64_t n, int64_t first, int64_t last) {
-        if (wide) return wide::values_of(n, score + v, value, first, last, dim, sums + v);
+        if (on_512_bits) return wide::values_of(n, score + v, value, first, last, dim, sums + v);
         with_count(n, [&](auto c) {
             constexpr int C = decltype(c)::value, N = C == 1 ? 8 : C == 2 ? 4 : 2;
             float* at[C];

@@ -5,7 +5,6 @@ find them; `python -m specdec.common.quantized.kernels` builds them ahead of tim
 They need an x86-64 CPU with AVX2 and FMA, and a C++ compiler.
 """
 
-import ctypes
 import functools
 import hashlib
 import importlib.util
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.common.memory import keep_freed_memory
 from specdec.common.model_files import cache_dir
 
 log = logging.getLogger("specdec")
@@ -106,24 +106,6 @@ def use_kernels(module, isa: str, numerics: str) -> None:
     module.set_isa("avx2")
     module.set_numerics(numerics)
     module.set_isa(isa)
-
-
-# glibc's malloc hands a freed block of over 32 MB back to the kernel at once (the ceiling of its dynamic mmap
-# threshold) and trims its heap whenever 128 KB lie free at the top. A long pass allocates tens of MB a layer (the
-# MLP's activations, the quantized rows, the attention's scores), so every layer faulted in and zeroed fresh pages:
-# about a sixth of a 1,024-token prefill (docs/results/2026-12-07-attention-on-512-bit-registers.md). Above these
-# thresholds freed memory stays with the process for the next layer's buffers; the peak is what a pass needs either way.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-KEPT_BYTES = 1 << 30
-
-
-def keep_freed_memory() -> bool:
-    """Let malloc keep up to KEPT_BYTES of freed memory and serve blocks up to that size from its heap, where the C
-    library is glibc; returns whether it did."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return False
-    return mallopt(M_MMAP_THRESHOLD, KEPT_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, KEPT_BYTES) == 1
 
 
 @functools.cache

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from specdec.common import memory
+from specdec.common.memory import keep_freed_memory
 from specdec.common.errors import InvalidArgument, ResourceExhausted
 from specdec.common.model_specs import gguf_path
 from specdec.common.models import load_model, resolve_engine
@@ -125,18 +126,23 @@ def test_activations_quantize_to_the_nearest_code_of_their_blocks_maximum(block)
     assert codes[2, 1].item() == -30
 
 
+MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+
+
+class Mallinfo2(ctypes.Structure):
+    """glibc's struct mallinfo2: the main arena's statistics in bytes."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
+
+
 def test_a_process_running_the_kernels_keeps_freed_memory_for_the_next_pass():
-    """Loading the kernels raises glibc's mmap and trim thresholds: a freed 256 MB block (a long pass's activations)
-    stays in malloc's free bytes for the next layer, where glibc's defaults hand it back to the kernel at once."""
+    """Loading the kernels (and starting a worker) raises glibc's mmap and trim thresholds: a freed 256 MB block (a
+    long pass's activations) stays in malloc's free bytes for the next layer, where glibc's defaults hand it back to
+    the kernel at once."""
     kernels()
     mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
-    if mallinfo2 is None:
-        pytest.skip("the C library is not glibc 2.33 or later")
-
-    class Mallinfo2(ctypes.Structure):
-        names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-        _fields_ = [(name, ctypes.c_size_t) for name in names]
-
+    if mallinfo2 is None or not keep_freed_memory():
+        pytest.skip("the C library is not a glibc (2.33 or later) that takes these settings")
     mallinfo2.restype = Mallinfo2
     block = torch.ones(256 << 20, dtype=torch.uint8)
     free_before = mallinfo2().fordblks

@@ -1,6 +1,8 @@
 """The gguf engine's own decoder pass (common/quantized/decoder.py and decoder_ops.h): each piece against torch's
 reference of the same function, and the whole pass against transformers' forward over the same blocks."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,11 +109,23 @@ def test_a_query_rows_attention_is_bit_identical_in_a_pass_of_any_length_and_mat
     assert torch.allclose(prefill.double(), expected[0].transpose(0, 1).reshape(rows, heads * dim), atol=2e-6)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch (and the kernels' parallel_for) on n threads, then back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dim", [64, 128, 256])
 def test_attention_on_512_bit_registers_gives_the_bits_of_256_bit_ones(dim):
     """On an AVX-512 machine a pass's attention runs two 8-lane chains a register (attention_avx512.h); every row's
-    bits equal those of the AVX2 kernels: long passes in blocks of rows (with the keys left over from groups of 4),
-    a few rows, one-row steps, several sessions, a sliding window and soft-capped scores."""
+    bits equal those of the AVX2 kernels: long passes in blocks of 8 rows (chunks of 1-8 heads, keys left over from
+    groups of 4), a few rows, one-row steps, several sessions, a sliding window and soft-capped scores. On 2
+    threads, which decide how a call splits into blocks."""
     ops = kernels()
     if ops.isa() == "avx2":
         pytest.skip("this CPU has no AVX-512: its attention runs on 256-bit registers only")
@@ -126,22 +140,22 @@ def test_attention_on_512_bit_registers_gives_the_bits_of_256_bit_ones(dim):
         (50, [0, 9], [23, 27], 0, 0.0),
         (40, [3], [40], 16, 30.0),
     ]
-
-    def attend(q, k, v, buffers, starts, lengths, window, softcap):
-        keys, values = [b[0].clone() for b in buffers], [b[1].clone() for b in buffers]
-        return ops.attend_sessions(q, k, v, keys, values, starts, lengths, dim**-0.5, window, softcap)
-
     for rows, starts, lengths, window, softcap in cases:
         q, k, v = (torch.randn(rows, n, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
         sizes = [start + length for start, length in zip(starts, lengths, strict=True)]
         buffers = [torch.randn(2, 1, kv_heads, size, dim, generator=generator) for size in sizes]
-        case = (q, k, v, buffers, starts, lengths, window, softcap)
-        wide = attend(*case)
-        try:
-            ops.set_isa("avx2")
-            narrow = attend(*case)
-        finally:
-            ops.set_isa(own)
+
+        def attend(q=q, k=k, v=v, buffers=buffers, starts=starts, lengths=lengths, window=window, softcap=softcap):
+            keys, values = [b[0].clone() for b in buffers], [b[1].clone() for b in buffers]
+            return ops.attend_sessions(q, k, v, keys, values, starts, lengths, dim**-0.5, window, softcap)
+
+        with torch_threads(2):
+            wide = attend()
+            try:
+                ops.set_isa("avx2")
+                narrow = attend()
+            finally:
+                ops.set_isa(own)
         assert torch.equal(wide, narrow), (rows, starts, lengths, window, softcap)
 
 
