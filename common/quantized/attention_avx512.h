@@ -75,6 +75,43 @@ inline void weighted_values(const float* const* w, const float* value, int64_t f
         for (int t = 0; t < N; ++t) _mm512_storeu_ps(sums[v] + 16 * t, acc[v][t]);
 }
 
+// decoder_ops.h's exp8 on 16 lanes, operation for operation (the same bits in each lane).
+inline __m512 exp16(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504f);
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+    __m512 fx = _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f));
+    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f)));
+    x = _mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(-2.12194440e-4f)));
+    const __m512 z = _mm512_mul_ps(x, x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, z), x), _mm512_set1_ps(1.f));
+    const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(0x7f)), 23);
+    return _mm512_maskz_mul_ps(_mm512_knot(underflow), y, _mm512_castsi512_ps(n));  // 0 where exp8 masks to 0
+}
+
+// softmax_numerators' exponentials of score[j] - top, in place, 16 positions at a time while 16 are left before
+// padded; total[0..7] (8 lanes, as on AVX2) adds each 8 of them in the positions' order. Returns the first position
+// left.
+inline int64_t exponentials(float* score, int64_t padded, float top, float* total) {
+    __m256 sum = _mm256_loadu_ps(total);
+    int64_t j = 0;
+    for (; j + 16 <= padded; j += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(&score[j]), _mm512_set1_ps(top)));
+        _mm512_storeu_ps(&score[j], e);
+        sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
+        sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+    _mm256_storeu_ps(total, sum);
+    return j;
+}
+
 // The scores of positions [first, last), 4 at a time, for the n <= 8 vectors paired in `pairs`; returns the first
 // position left (fewer than 4 before last) for the 256-bit kernels.
 inline int64_t scores_of(const float* pairs, int64_t n, const float* key, int64_t first, int64_t last, int64_t d, float* const* score) {

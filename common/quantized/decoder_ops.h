@@ -97,8 +97,8 @@ inline void with_count(int64_t n, F f) {
 }
 
 // A vector's scores of positions 0 .. seen - 1 into their softmax's numerators, in place (the positions up to the
-// next multiple of 8 set to 0); returns 1 / their total.
-inline float softmax_numerators(float* score, int64_t seen, double scale, double softcap) {
+// next multiple of 8 set to 0); returns 1 / their total. on_512_bits: the exponentials 16 at a time (the same bits).
+inline float softmax_numerators(float* score, int64_t seen, double scale, double softcap, bool on_512_bits) {
     const int64_t padded = (seen + 7) & ~int64_t(7);
     // The scaled scores and their largest (max is exact: any order finds it), in 4 chains of 8 lanes.
     __m256 most[4];
@@ -123,8 +123,10 @@ inline float softmax_numerators(float* score, int64_t seen, double scale, double
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     const __m256 top = _mm256_set1_ps(std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_movehdup_ps(m))));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t j = 0; j < seen; j += 8) {
+    alignas(32) float totals[8] = {};
+    const int64_t done_16 = on_512_bits ? wide::exponentials(score, padded, _mm256_cvtss_f32(top), totals) : 0;
+    __m256 total = _mm256_load_ps(totals);
+    for (int64_t j = done_16; j < seen; j += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&score[j]), top));
         _mm256_storeu_ps(&score[j], e);
         total = _mm256_add_ps(total, e);
@@ -164,7 +166,7 @@ inline void attend_vectors(int64_t count, const float* const* q, const int64_t* 
         }
     for (int64_t v = 0; v < count; ++v) scores_of<1, 8>(q + v, key, common, seen[v], dim, score + v);
     for (int64_t v = 0; v < count; ++v) {
-        inv[v] = softmax_numerators(score[v], seen[v], scale, softcap);
+        inv[v] = softmax_numerators(score[v], seen[v], scale, softcap, isa_in_use != Isa::avx2);
         std::fill(sums[v], sums[v] + dim, 0.f);
     }
     // On 256-bit registers, values in slices of 64 dimensions for one vector (8 registers of sums), 32 for two, 16
