@@ -25,7 +25,7 @@ from specdec.common.model_specs import gguf_path
 from specdec.common.models import load_model, resolve_engine
 from specdec.common.quantized import formats
 from specdec.common.quantized.gguf_file import read_tensors
-from specdec.common.quantized.kernels import kernels, use_kernels
+from specdec.common.quantized.kernels import kernels
 from specdec.common.quantized.decoder import StackedProducts
 from specdec.common.quantized.layers import QuantizedLinear
 from specdec.common.sampling import SamplingParams, logits_to_probs
@@ -33,6 +33,7 @@ from specdec.draft_worker.engine import DraftEngine
 from specdec.draft_worker.ngram import PromptLookupProposer
 from specdec.draft_worker.model_proposer import ModelProposer
 from specdec.target_worker.engine import TargetEngine
+from tests.support.kernel_settings import kernel_settings
 from tests.support.services import prefilled, running_services
 from tests.support.statistics import chi_square_p_value, sample_sequences
 from tests.support.generation import generate_ids
@@ -185,18 +186,6 @@ def test_the_kernels_compute_without_holding_the_gil():
 
     # A few tries: on 2 busy cores the product may start after this thread wakes; the GIL stops it every time.
     assert any(woke_during_a_product() for _ in range(5))
-
-
-@contextlib.contextmanager
-def kernel_settings(isa: str, numerics: str):
-    """The kernels on one instruction set in one numerics (kernels.cpp), then back to this machine's own."""
-    ops = kernels()
-    own = ops.isa(), ops.numerics()
-    try:
-        use_kernels(ops, isa, numerics)
-        yield
-    finally:
-        use_kernels(ops, *own)
 
 
 def isas_of_this_cpu(numerics: str) -> list[str]:

@@ -12,6 +12,7 @@ from specdec.common.batched_forward import forward_sessions
 from specdec.common.models import load_model
 from specdec.common.quantized.decoder import StackedProducts
 from specdec.common.quantized.kernels import kernels
+from tests.support.kernel_settings import kernel_settings
 
 SMOLLM2 = "smollm2-135m"
 
@@ -129,7 +130,6 @@ def test_attention_on_512_bit_registers_gives_the_bits_of_256_bit_ones(dim):
     ops = kernels()
     if ops.isa() == "avx2":
         pytest.skip("this CPU has no AVX-512: its attention runs on 256-bit registers only")
-    own = ops.isa()
     generator = torch.Generator().manual_seed(dim)
     heads, kv_heads = 6, 2
     # rows, each session's cached positions and new rows, window, soft cap
@@ -151,11 +151,8 @@ def test_attention_on_512_bit_registers_gives_the_bits_of_256_bit_ones(dim):
 
         with torch_threads(2):
             wide = attend()
-            try:
-                ops.set_isa("avx2")
+            with kernel_settings("avx2", ops.numerics()):
                 narrow = attend()
-            finally:
-                ops.set_isa(own)
         assert torch.equal(wide, narrow), (rows, starts, lengths, window, softcap)
 
 
