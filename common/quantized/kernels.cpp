@@ -217,9 +217,10 @@ constexpr bool kDpbusd = false;  // column tiles: int16 sums of maddubs (kernel_
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 namespace vnni {
 constexpr int kRowTile = 8;  // AVX-512 has 32 vector registers
-// Q4_K's row kernels: in tiles of 4 rows, 2 output columns share each load of the activations (16 integer
-// accumulators), in the pairs form (kernel_rows.h); smaller tiles compute one column at a time.
-constexpr int kQ4KRows = 4, kQ4KColumns = 2, kQ4KPairRows = 4;
+// Q4_K's row kernels: in tiles of 3-4 rows, 2 output columns share each load of the activations (up to 16 integer
+// accumulators), in the pairs form (kernel_rows.h); tiles of 1-2 rows compute one column at a time, where two
+// weight rows streamed at once read memory more slowly.
+constexpr int kQ4KRows = 4, kQ4KColumns = 2, kQ4KPairRows = 3;
 constexpr int kSplit = 2;    // dpwssd: a chain of five-cycle fused products
 inline __m256i dot_add(__m256i acc, __m256i p, __m256i s) { return _mm256_dpwssd_epi32(acc, p, s); }
 inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
@@ -263,11 +264,12 @@ bool cpu_has_amx() {
 constexpr int64_t kAmxMinRows = 16;
 
 // Q4_K's VNNI column tiles in Totals serve passes from this many rows, where they are measured faster than the
-// row kernels (docs/engines.md): 6 below AMX's passes on a Xeon, 12 on VNNI machines without AMX (a Zen 4), whose
+// row kernels (docs/engines.md): 5 below AMX's passes on a Xeon (where the row kernels would run a tile of 4 rows and
+// one of 1), 12 on VNNI machines without AMX (a Zen 4), whose
 // row kernels stay ahead for a few rows more. set_vnni_column_rows overrides it (0: this default), for the tests and
 // the bench, which run the tiles' fused form (up to a row tile) at any row count, on any VNNI machine.
 int64_t vnni_column_rows = 0;
-int64_t vnni_column_min_rows(bool amx) { return vnni_column_rows ? vnni_column_rows : amx ? 6 : 12; }
+int64_t vnni_column_min_rows(bool amx) { return vnni_column_rows ? vnni_column_rows : amx ? 5 : 12; }
 
 enum class Isa { avx2, vnni, amx };
 Isa isa_in_use = cpu_has_amx() ? Isa::amx : cpu_has_vnni() ? Isa::vnni : Isa::avx2;

@@ -705,7 +705,7 @@ def test_on_vnni_without_amx_in_totals_q4_k_passes_of_12_rows_or_more_run_on_col
 @pytest.mark.skipif(kernels().isa() == "avx2", reason="this CPU lacks AVX512-VNNI")
 @pytest.mark.parametrize("k", [256, 2048, 8960])
 def test_q4_k_vnni_column_tiles_fused_and_unpacked_give_the_row_kernels_bits(k):
-    """The VNNI column tiles of Q4_K, which machines with AMX run from 6 rows in totals (fused with the codes'
+    """The VNNI column tiles of Q4_K, which machines with AMX run from 5 rows in totals (fused with the codes'
     unpacking up to a row tile of 8, from an unpacked tile beyond), on any VNNI machine: every row count gives each
     row its bits alone (a row kernel's), the AVX2 kernels' and the float64 reference's product."""
     n, ops = 37, kernels()
@@ -731,14 +731,15 @@ def test_q4_k_vnni_column_tiles_fused_and_unpacked_give_the_row_kernels_bits(k):
 
 
 def test_with_amx_q4_k_passes_below_the_tiles_run_on_vnni_column_tiles_with_the_same_bits():
-    """Where AMX runs the totals numerics, Q4_K's passes of 2-5 rows go to the VNNI row kernels and of 6-15 rows to
-    the column tiles in their VNNI form (dpbusd): each row's bits are the AVX2 tiles' and its own alone."""
+    """Where AMX runs the totals numerics, Q4_K's passes of 2-4 rows go to the VNNI row kernels (3-4 rows in the
+    pairs form, 2 output columns at a time) and of 5-15 rows to the column tiles in their VNNI form (dpbusd): each
+    row's bits are the AVX2 tiles' and its own alone."""
     ops = kernels()
     if ops.isa() != "amx":
         pytest.skip("this CPU gives no AMX tiles")
     layer = QuantizedLinear(random_k_quant("Q4_K", 37, 2048, seed=10))
     x = torch.randn(15, 2048, generator=torch.Generator().manual_seed(11))
-    assert [ops.product_kernel("q4k", rows) for rows in (1, 5, 6, 15, 16)] == ["vnni rows"] * 2 + ["vnni columns"] * 2 + ["amx"]
+    assert [ops.product_kernel("q4k", rows) for rows in (1, 4, 5, 15, 16)] == ["vnni rows"] * 2 + ["vnni columns"] * 2 + ["amx"]
     alone = torch.cat([layer(x[i : i + 1]) for i in range(15)])
     results = {rows: layer(x[:rows]) for rows in (2, 3, 4, 5, 6, 8, 9, 15)}
     assert_the_avx2_tiles_bits_and_each_rows_own(layer, x, results, alone)
