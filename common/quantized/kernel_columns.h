@@ -646,14 +646,17 @@ inline void with_row_count(int rows, F f) {
     f(std::integral_constant<int, R>());
 }
 
-// Every output column for every row: tiles of 8 columns split over the threads. A call of up to kRows rows runs
-// each tile fused; a longer one unpacks each tile once, then runs its rows in groups of kRows (the last
-// rows in one smaller group). Each output's operations are those above whichever path, group or tile it is in.
+// Every output column for every row: tiles of 8 columns split over the threads. A call of up to kRows rows (Q4_K:
+// 2 kRows) runs each tile fused, in groups of rows of nearly equal sizes (for Q4_K a second transposition of the
+// tile's weights, from L1, costs less than unpacking them to memory); a longer one unpacks each tile once, then runs its
+// rows in groups of kRows (the last rows in one smaller group). Each output's operations are those above whichever path, group or tile it is in.
 template <class W, template <int> class Rows, class Unpack, class Gather>
 void column_matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base, int vectors, Unpack unpack, Gather gather) {
     const int64_t tiles = (out_features + kColumns - 1) / kColumns;
     constexpr int kRows = Rows<1>::kRows;
-    const bool fused = Rows<1>::kFused && rows <= kRows;
+    // Q4_K's fused tiles take up to two groups of rows (measured; the other formats' one).
+    constexpr int kFusedGroups = std::is_same_v<W, Q4K> ? 2 : 1;
+    const bool fused = Rows<1>::kFused && rows <= kFusedGroups * kRows;
     const int64_t groups = w.k / 32;
     std::vector<float> scaled_sums;
     if constexpr (std::is_same_v<W, Q41>) {
@@ -672,9 +675,20 @@ void column_matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out
             const int valid = tile_columns(tile, out_features, col);
             gather(w, col, t);
             if constexpr (Rows<1>::kFused) {
-                if (fused) {
+                if (fused && rows <= kRows) {
                     with_row_count<kRows>((int)rows, [&](auto r) { Rows<decltype(r)::value>::fused(w, col, t, a, 0, out.data(), n0, valid); });
                     continue;
+                }
+                if constexpr (kFusedGroups > 1) {
+                    if (fused) {
+                        const int64_t groups_of_rows = (rows + kRows - 1) / kRows;
+                        for (int64_t i = 0, first = 0; i < groups_of_rows; ++i) {
+                            const int size = (int)(rows / groups_of_rows + (i < rows % groups_of_rows));
+                            with_row_count<kRows>(size, [&](auto r) { Rows<decltype(r)::value>::fused(w, col, t, a, first, out.data(), n0, valid); });
+                            first += size;
+                        }
+                        continue;
+                    }
                 }
             }
             unpack(w, col, t);

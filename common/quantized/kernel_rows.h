@@ -427,16 +427,20 @@ void q6k_tile(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* ro
 }
 
 // Kernel<R> for each format and numerics (Q4_1, Q8_0 and Q5_0 have one numerics of their own, in kernel_columns.h):
-// run computes kWidth output columns from n, run_one one; kRows rows make a full tile.
+// run computes kWidth output columns from n, run_one one; kRows rows make a full tile. kEvenTiles: a pass of more
+// than kRows rows goes in tiles of nearly equal sizes (Q6_K's 9 rows as 5 and 4), not in full tiles and a remainder
+// (8 and 1), where a remainder tile of a row or two costs almost what a full one does (docs/engines.md).
 template <class N>
 struct KernelsOf {
     template <int R> struct Q4K_ {
         static constexpr int kRows = kQ4KRows, kWidth = R >= kQ4KPairRows ? kQ4KColumns : 1;
+        static constexpr bool kEvenTiles = false;
         static void run(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q4k_rows<kWidth, R, N>(w, n, a, rows, out); }
         static void run_one(const Q4K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q4k_rows<1, R, N>(w, n, a, rows, out); }
     };
     template <int R> struct Q6K_ {
         static constexpr int kRows = kRowTile, kWidth = 1;
+        static constexpr bool kEvenTiles = true;
         static void run(const Q6K& w, int64_t n, const QuantizedRows& a, const int64_t* rows, float** out) { q6k_tile<R, N>(w, n, a, rows, out); }
         static constexpr auto run_one = run;
     };
@@ -461,7 +465,8 @@ inline void run_remainder(int64_t remainder, const W& w, int64_t first, int64_t 
     }
 }
 
-// Every output column n for every row: rows in tiles of kRows (the remainder in one smaller tile), columns
+// Every output column n for every row: rows in tiles of kRows (the remainder in one smaller tile; or, for
+// kEvenTiles, in as many tiles of nearly equal sizes), columns
 // split over threads. Columns go in blocks of kColumnBlock, each block through every tile in turn: a tile's
 // activation rows then stay in L1 while the block's weight rows (up to 7 KB each: the block fits in L2) are read again from L2, where
 // going through all tiles per column would stream every activation row past L1 once per column. Each output is
@@ -478,6 +483,18 @@ void matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_featur
         for (int64_t r = 0; r < rows; ++r) out[r] = base + r * out_features;
         for (int64_t block = begin; block < end; block += kColumnBlock) {
             const int64_t last = std::min(end, block + kColumnBlock);
+            if constexpr (Kernel<1>::kEvenTiles) {
+                if (rows > tile) {
+                    const int64_t tiles = (rows + tile - 1) / tile;
+                    for (int64_t i = 0, r = 0; i < tiles; ++i) {
+                        const int64_t size = rows / tiles + (i < rows % tiles);
+                        if (size == tile) run_columns<Kernel, tile>(w, block, last, a, &index[r], &out[r]);
+                        else run_remainder<Kernel>(size, w, block, last, a, &index[r], &out[r]);
+                        r += size;
+                    }
+                    continue;
+                }
+            }
             int64_t r = 0;
             for (; r + tile <= rows; r += tile) run_columns<Kernel, tile>(w, block, last, a, &index[r], &out[r]);
             if (r < rows) run_remainder<Kernel>(rows - r, w, block, last, a, &index[r], &out[r]);

@@ -706,8 +706,9 @@ def test_on_vnni_without_amx_in_totals_q4_k_passes_of_12_rows_or_more_run_on_col
 @pytest.mark.parametrize("k", [256, 2048, 8960])
 def test_q4_k_vnni_column_tiles_fused_and_unpacked_give_the_row_kernels_bits(k):
     """The VNNI column tiles of Q4_K, which machines with AMX run from 5 rows in totals (fused with the codes'
-    unpacking up to a row tile of 8, from an unpacked tile beyond), on any VNNI machine: every row count gives each
-    row its bits alone (a row kernel's), the AVX2 kernels' and the float64 reference's product."""
+    unpacking up to two row tiles of 8, in groups of nearly equal sizes; from an unpacked tile beyond), on any VNNI
+    machine: every row count gives each row its bits alone (a row kernel's), the AVX2 kernels' and the float64
+    reference's product."""
     n, ops = 37, kernels()
     layer = QuantizedLinear(random_k_quant("Q4_K", n, k, seed=k + 1))
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(13))
@@ -718,7 +719,7 @@ def test_q4_k_vnni_column_tiles_fused_and_unpacked_give_the_row_kernels_bits(k):
             ops.set_vnni_column_rows(2)
             assert [ops.product_kernel("q4k", rows) for rows in (1, 2, 8, 9)] == ["vnni rows"] + ["vnni columns"] * 3
             alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
-            for rows in (2, 3, 4, 5, 7, 8, 9, 17, 40):
+            for rows in (2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 40):
                 assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
         finally:
             ops.set_vnni_column_rows(0)
