@@ -646,15 +646,16 @@ inline void with_row_count(int rows, F f) {
     f(std::integral_constant<int, R>());
 }
 
-// Every output column for every row: tiles of 8 columns split over the threads. A call of up to kRows rows (Q4_K:
-// 2 kRows) runs each tile fused, in groups of rows of nearly equal sizes (for Q4_K a second transposition of the
-// tile's weights, from L1, costs less than unpacking them to memory); a longer one unpacks each tile once, then runs its
-// rows in groups of kRows (the last rows in one smaller group). Each output's operations are those above whichever path, group or tile it is in.
+// Every output column for every row: tiles of 8 columns split over the threads. A call of up to kRows rows runs
+// each tile fused. Q4_K's calls of up to 2 kRows rows run fused too, in two groups of rows of nearly equal sizes: a
+// second transposition of the tile's weights, from L1, costs less than unpacking them to memory. A longer call
+// unpacks each tile once, then runs its rows in groups of kRows (the last rows in one smaller group). Each output's
+// operations are those above whichever path, group or tile it is in. The one-group call keeps a branch of its own:
+// it is what every step and few-row pass of these formats runs, and its compiled code stays as it was measured.
 template <class W, template <int> class Rows, class Unpack, class Gather>
 void column_matmul(const W& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base, int vectors, Unpack unpack, Gather gather) {
     const int64_t tiles = (out_features + kColumns - 1) / kColumns;
     constexpr int kRows = Rows<1>::kRows;
-    // Q4_K's fused tiles take up to two groups of rows (measured; the other formats' one).
     constexpr int kFusedGroups = std::is_same_v<W, Q4K> ? 2 : 1;
     const bool fused = Rows<1>::kFused && rows <= kFusedGroups * kRows;
     const int64_t groups = w.k / 32;

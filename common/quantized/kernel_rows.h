@@ -466,11 +466,13 @@ inline void run_remainder(int64_t remainder, const W& w, int64_t first, int64_t 
 }
 
 // Every output column n for every row: rows in tiles of kRows (the remainder in one smaller tile; or, for
-// kEvenTiles, in as many tiles of nearly equal sizes), columns
-// split over threads. Columns go in blocks of kColumnBlock, each block through every tile in turn: a tile's
-// activation rows then stay in L1 while the block's weight rows (up to 7 KB each: the block fits in L2) are read again from L2, where
-// going through all tiles per column would stream every activation row past L1 once per column. Each output is
-// still computed by one kernel call, in the same order: the blocking changes no result.
+// kEvenTiles, in as many tiles of nearly equal sizes), columns split over threads. The even tiles have a loop of
+// their own, compiled only where kEvenTiles: one loop computing each tile's size for every kernel changed the
+// compiled code of Q4_K's steps, and made them slower. Columns go in blocks of kColumnBlock, each block through
+// every tile in turn: a tile's activation rows then stay in L1 while the block's weight rows (up to 7 KB each: the
+// block fits in L2) are read again from L2, where going through all tiles per column would stream every activation
+// row past L1 once per column. Each output is still computed by one kernel call, in the same order: the blocking
+// changes no result.
 constexpr int64_t kColumnBlock = 128;
 
 template <template <int> class Kernel, typename W>

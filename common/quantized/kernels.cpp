@@ -264,10 +264,10 @@ bool cpu_has_amx() {
 constexpr int64_t kAmxMinRows = 16;
 
 // Q4_K's VNNI column tiles in Totals serve passes from this many rows, where they are measured faster than the
-// row kernels (docs/engines.md): 5 below AMX's passes on a Xeon (where the row kernels would run a tile of 4 rows and
-// one of 1), 12 on VNNI machines without AMX (a Zen 4), whose
-// row kernels stay ahead for a few rows more. set_vnni_column_rows overrides it (0: this default), for the tests and
-// the bench, which run the tiles' fused form (up to a row tile) at any row count, on any VNNI machine.
+// row kernels (docs/engines.md): 5 below AMX's passes on a Xeon (where the row kernels would run a tile of 4 rows
+// and one of 1), 12 on VNNI machines without AMX (a Zen 4), whose row kernels stay ahead for a few rows more.
+// set_vnni_column_rows overrides it (0: this default), for the tests and the bench, which run the tiles' fused form
+// (up to two row tiles) at any row count, on any VNNI machine.
 int64_t vnni_column_rows = 0;
 int64_t vnni_column_min_rows(bool amx) { return vnni_column_rows ? vnni_column_rows : amx ? 5 : 12; }
 

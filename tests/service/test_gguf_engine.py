@@ -3,7 +3,6 @@ whatever the row count or the batch, and lossless speculation on top of them (gr
 exact distribution by chi-square)."""
 
 import asyncio
-import contextlib
 import ctypes
 import functools
 import os
@@ -33,7 +32,7 @@ from specdec.draft_worker.engine import DraftEngine
 from specdec.draft_worker.ngram import PromptLookupProposer
 from specdec.draft_worker.model_proposer import ModelProposer
 from specdec.target_worker.engine import TargetEngine
-from tests.support.kernel_settings import kernel_settings
+from tests.support.kernel_settings import kernel_settings, switched
 from tests.support.services import prefilled, running_services
 from tests.support.statistics import chi_square_p_value, sample_sequences
 from tests.support.generation import generate_ids
@@ -595,15 +594,9 @@ def random_k_quant(qtype: str, n: int, k: int, seed: int) -> formats.PackedWeigh
     return formats.pack(blocks.reshape(n, -1), gguf.GGMLQuantizationType[qtype], n, k)
 
 
-@contextlib.contextmanager
 def column_tiles(on: bool):
     ops = kernels()
-    own = ops.column_tiles()
-    ops.set_column_tiles(on)
-    try:
-        yield
-    finally:
-        ops.set_column_tiles(own)
+    return switched(ops.column_tiles, ops.set_column_tiles, on)
 
 
 @pytest.mark.parametrize("k", [256, 2048, 8960])

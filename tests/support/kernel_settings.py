@@ -1,4 +1,4 @@
-"""The gguf kernels on a chosen instruction set and numerics for the length of a test block."""
+"""The gguf kernels on a chosen instruction set and numerics, or any other setting, for the length of a test block."""
 
 import contextlib
 
@@ -15,3 +15,14 @@ def kernel_settings(isa: str, numerics: str):
         yield
     finally:
         use_kernels(ops, *own)
+
+
+@contextlib.contextmanager
+def switched(read, write, value):
+    """write(value) for the block, then back to what read() gave before (e.g. torch's thread count)."""
+    own = read()
+    write(value)
+    try:
+        yield
+    finally:
+        write(own)

@@ -1,8 +1,6 @@
 """The gguf engine's own decoder pass (common/quantized/decoder.py and decoder_ops.h): each piece against torch's
 reference of the same function, and the whole pass against transformers' forward over the same blocks."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +10,7 @@ from specdec.common.batched_forward import forward_sessions
 from specdec.common.models import load_model
 from specdec.common.quantized.decoder import StackedProducts
 from specdec.common.quantized.kernels import kernels
-from tests.support.kernel_settings import kernel_settings
+from tests.support.kernel_settings import kernel_settings, switched
 
 SMOLLM2 = "smollm2-135m"
 
@@ -110,17 +108,6 @@ def test_a_query_rows_attention_is_bit_identical_in_a_pass_of_any_length_and_mat
     assert torch.allclose(prefill.double(), expected[0].transpose(0, 1).reshape(rows, heads * dim), atol=2e-6)
 
 
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch (and the kernels' parallel_for) on n threads, then back."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dim", [64, 128, 256])
 def test_attention_on_512_bit_registers_gives_the_bits_of_256_bit_ones(dim):
     """On an AVX-512 machine a pass's attention runs two 8-lane chains a register (attention_avx512.h); every row's
@@ -149,7 +136,7 @@ def test_attention_on_512_bit_registers_gives_the_bits_of_256_bit_ones(dim):
             keys, values = [b[0].clone() for b in buffers], [b[1].clone() for b in buffers]
             return ops.attend_sessions(q, k, v, keys, values, starts, lengths, dim**-0.5, window, softcap)
 
-        with torch_threads(2):
+        with switched(torch.get_num_threads, torch.set_num_threads, 2):  # the kernels' parallel_for too
             wide = attend()
             with kernel_settings("avx2", ops.numerics()):
                 narrow = attend()
