@@ -186,6 +186,7 @@ SPECDEC_INLINE __m256 tile_values(const uint16_t* tile, int64_t g) {
 // A tile's rows: their int8 codes, scales (one per group) and group sums.
 template <int R>
 struct GroupRows {
+    static constexpr int kRows = R;
     const int8_t* q[R];
     const float* scale[R];
     const float* scaled_sums[R];  // Q4_1 only

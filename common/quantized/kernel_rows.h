@@ -328,6 +328,9 @@ void q6k_rows(const Q6K& weights, int64_t n, const QuantizedRows& a, const int64
 // ---- Q4_1, Q8_0 and Q5_0: one scale per 32 weights, in column tiles (kernel_columns.h) ------------------------
 
 #include "kernel_columns.h"
+#ifdef SPECDEC_WIDE_TILES
+#include "kernel_wide_columns.h"  // Q4_K's fused column tiles on 512-bit vectors, two tiles side by side
+#endif
 
 // ---- one row of Q4_K and Q6_K in 8-column tiles, in the file's layout ------------------------------------------
 // A 1-row product (a step) in the Totals numerics without the column tiles' transposes: each of a tile's 8 columns
@@ -523,6 +526,9 @@ inline bool q4k_columns_on_row_kernels(int64_t rows) { return rows == 1 || (!kDp
 inline void q4k_columns(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {
     if (rows == 1) return q4k_one_row(w, a, n, y);
     if (q4k_columns_on_row_kernels(rows)) return q4k<Totals>(w, a, rows, n, y);
+#ifdef SPECDEC_WIDE_TILES
+    if (rows <= 2 * kRowTile && n * w.k >= wide_columns_from) return q4k_wide_columns(w, a, rows, n, y);
+#endif
     column_matmul<Q4K, Q4KColumns>(w, a, rows, n, y, 8, &unpack_q4k, &gather_q4k);
 }
 inline void q6k_columns(const Q6K& w, const QuantizedRows& a, int64_t rows, int64_t n, float* y) {

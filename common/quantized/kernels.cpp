@@ -199,6 +199,13 @@ struct Q80 { const int8_t* codes; const uint16_t* d_tiles; int64_t k; };
 struct Lanes {};
 struct Totals {};
 
+// Q4_K's fused column tiles run on 512-bit vectors (kernel_wide_columns.h) for matrices of at least this many weights
+// (output columns x inputs), on 256-bit ones below: the 1.5B's gate and up (17920 x 1536) and down (1536 x 8960)
+// projections gain, its smaller ones (up to 2048 x 1536) were no faster (docs/engines.md). The same results either
+// way; set_wide_columns_from moves it (the tests and the bench compare them).
+constexpr int64_t kWideColumnsFrom = int64_t(1) << 23;
+int64_t wide_columns_from = kWideColumnsFrom;
+
 // ---- the kernels, once per instruction set ------------------------------------------------------------------
 
 namespace avx2 {
@@ -240,8 +247,8 @@ namespace amx {
 #pragma GCC pop_options
 
 // The instruction set the products run on: "amx" where the CPU has AMX-INT8 and the kernel lets this process use
-// its tiles (calls of at least kAmxMinRows rows go to the tiles, fewer to the VNNI row kernels), else "vnni" where
-// it has AVX512-VNNI (Ice Lake and later Xeons, AMD Zen 4 and later), else "avx2"; set_isa forces a lesser one
+// its tiles (calls of at least kAmxMinRows rows, Q4_K's of kQ4KAmxMinRows, go to the tiles, fewer to the VNNI
+// kernels), else "vnni" where it has AVX512-VNNI (Ice Lake and later Xeons, AMD Zen 4 and later), else "avx2"; set_isa forces a lesser one
 // (the tests compare them). All compute the same results bit for bit.
 bool cpu_has_vnni() {  // what the vnni namespace is compiled for
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
@@ -262,6 +269,9 @@ bool cpu_has_amx() {
 // for 1 row as for 16 (the 1.5B's 8960 x 1536 Q4_K block: 1.5x the VNNI kernels' time at 8 rows, 0.9x at 16, 0.35x
 // at 256; its 1536 x 8960 Q6_K block 1.0x at 16, 0.5x at 256).
 constexpr int64_t kAmxMinRows = 16;
+// Q4_K's passes of up to 20 rows run faster on the VNNI column tiles than on a tile pass: on 512-bit vectors two
+// column tiles side by side up to 16 rows (kernel_wide_columns.h), from an unpacked tile beyond (docs/engines.md).
+constexpr int64_t kQ4KAmxMinRows = 21;
 
 // Q4_K's VNNI column tiles in Totals serve passes from this many rows, where they are measured faster than the
 // row kernels (docs/engines.md): 5 below AMX's passes on a Xeon (where the row kernels would run a tile of 4 rows
@@ -311,12 +321,13 @@ struct FormatKernels {
     // Q4_K: the row kernels (and the column kernels where they run them) read the activations in grouped-lane
     // order as well; the tiles read them as quantized.
     bool rows_read_grouped = false;
+    int64_t amx_min_rows = kAmxMinRows;  // the least row count AMX's tiles serve
     bool reads_grouped(KernelFn<W> kernel, int64_t rows) const {
         return rows_read_grouped && kernel != amx && (kernel != avx2_columns || avx2::q4k_columns_on_row_kernels(rows)) &&
                (kernel != vnni_columns || vnni::q4k_columns_on_row_kernels(rows));
     }
     KernelFn<W> pick(int64_t rows) const {
-        if (isa_in_use == Isa::amx && amx && rows >= kAmxMinRows) return amx;
+        if (isa_in_use == Isa::amx && amx && rows >= amx_min_rows) return amx;
         if (isa_in_use == Isa::avx2 && totals_in_use && column_tiles && avx2_columns) return avx2_columns;
         if (isa_in_use != Isa::avx2 && totals_in_use && column_tiles && vnni_columns && rows >= vnni_column_min_rows(isa_in_use == Isa::amx))
             return vnni_columns;
@@ -354,7 +365,7 @@ void check_weight(const torch::Tensor& t, torch::ScalarType type, int64_t n, int
                 per_row, " contiguous values of ", c10::toString(type));
 }
 
-const FormatKernels<Q4K> q4k_kernels{&avx2::q4k<Lanes>, &vnni::q4k<Lanes>, &avx2::q4k<Totals>, &vnni::q4k<Totals>, &amx::q4k, &avx2::q4k_columns, &vnni::q4k_columns, true};
+const FormatKernels<Q4K> q4k_kernels{&avx2::q4k<Lanes>, &vnni::q4k<Lanes>, &avx2::q4k<Totals>, &vnni::q4k<Totals>, &amx::q4k, &avx2::q4k_columns, &vnni::q4k_columns, true, kQ4KAmxMinRows};
 
 torch::Tensor q4k_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc, torch::Tensor mn, torch::Tensor d,
                          torch::Tensor dmin, int64_t n, int64_t k) {
@@ -444,6 +455,11 @@ void set_vnni_column_rows(int64_t rows) {
 }
 bool column_tiles_in_use() { return column_tiles; }
 void set_column_tiles(bool on) { column_tiles = on; }
+int64_t wide_columns_least_weights() { return wide_columns_from; }
+void set_wide_columns_from(int64_t weights) {
+    TORCH_CHECK(weights >= 0, "the 512-bit column tiles' least matrix size must be 0 or more weights, not ", weights);
+    wide_columns_from = weights;
+}
 
 // The prefetch distance in bytes (kPrefetchBytes by default): a hint, so any value computes the same results; the
 // bench and tests set it to compare.
@@ -481,6 +497,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("product_kernel", &product_kernel);
     m.def("column_tiles", &column_tiles_in_use);
     m.def("set_column_tiles", &set_column_tiles);
+    m.def("wide_columns_from", &wide_columns_least_weights);
+    m.def("set_wide_columns_from", &set_wide_columns_from);
     m.def("set_vnni_column_rows", &set_vnni_column_rows);
     m.def("prefetch_distance", &prefetch_distance);
     m.def("set_prefetch_distance", &set_prefetch_distance);

@@ -27,6 +27,7 @@ HEADERS = [
     for name in (
         "kernel_rows.h",
         "kernel_columns.h",
+        "kernel_wide_columns.h",
         "kernel_wide_tiles.h",
         "kernel_amx.h",
         "attention_avx512.h",
