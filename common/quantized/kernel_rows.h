@@ -527,7 +527,7 @@ inline void q4k_columns(const Q4K& w, const QuantizedRows& a, int64_t rows, int6
     if (rows == 1) return q4k_one_row(w, a, n, y);
     if (q4k_columns_on_row_kernels(rows)) return q4k<Totals>(w, a, rows, n, y);
 #ifdef SPECDEC_WIDE_TILES
-    if (rows <= 2 * kRowTile && n * w.k >= wide_columns_from) return q4k_wide_columns(w, a, rows, n, y);
+    if (rows <= kWideGroups * kRowTile && n * w.k >= wide_columns_from) return q4k_wide_columns(w, a, rows, n, y);
 #endif
     column_matmul<Q4K, Q4KColumns>(w, a, rows, n, y, 8, &unpack_q4k, &gather_q4k);
 }

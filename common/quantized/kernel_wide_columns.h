@@ -2,8 +2,8 @@
 // after kernel_columns.h; they serve matrices of at least wide_columns_from weights (kernels.cpp). Two 8-column tiles
 // run side by side, the first's columns in the low 256 bits of every vector and the second's in the high 256 bits,
 // so each instruction of the 256-bit form (Q4KColumns::fused) does the work of two: the loads of 16 columns, their
-// transposition, and every row's dpbusd, scale and float step. Passes of 9-16 rows transpose each superblock's codes
-// once into a buffer that both groups of rows read.
+// transposition, and every row's dpbusd, scale and float step. Passes of more than a row tile transpose each
+// superblock's codes once into a buffer that every group of rows reads.
 //
 // Bit for bit the 256-bit form's results: every instruction here acts on each 256-bit half as the 256-bit one acts
 // on its vector (the transposition's unpacks act within 128-bit lanes; its lane permutes pick within each half), so
@@ -115,6 +115,18 @@ SPECDEC_INLINE void q4k_wide_half_group(Codes codes, __m512i scale, const GroupR
     for (int r = 0; r < R; ++r) total[r] = _mm512_add_epi32(total[r], _mm512_madd_epi16(t[r], sc));
 }
 
+// Half h of superblock s for R rows: total[r] += the 4 groups' half totals times their scales; codes(c, j): unit 4h + j
+// of group pair c, as q4k_wide_codes lays it out.
+template <int R, class Codes>
+SPECDEC_INLINE void q4k_wide_half(Codes codes, const __m512i* scales, const GroupRows<R>& x, int64_t s, int h, __m512i* total) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+        q4k_wide_half_group<R>([&](int j) { return _mm512_and_si512(codes(c, j), low); }, scales[2 * c], x, s * 8 + 2 * c, h, total);
+        q4k_wide_half_group<R>([&](int j) { return _mm512_and_si512(_mm512_srli_epi16(codes(c, j), 4), low); }, scales[2 * c + 1], x,
+                               s * 8 + 2 * c + 1, h, total);
+    }
+}
+
 // q4k_superblock_end for both tiles (ta's d and dmin in the low halves, tb's in the high).
 template <int R>
 SPECDEC_INLINE void q4k_wide_superblock_end(const __m512i* scales, const ColumnTile& ta, const ColumnTile& tb, const GroupRows<R>& x, int64_t s,
@@ -137,7 +149,6 @@ template <int R>
 void q4k_wide_fused(const Q4K& w, const int64_t* a, const int64_t* b, const ColumnTile& ta, const ColumnTile& tb, const QuantizedRows& rows,
                     int64_t first, float** out, int64_t na, int va, int64_t nb, int vb) {
     const GroupRows<R> x(rows, first, ta);
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[R], acc_min[R];
     for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < ta.groups / 8; ++s) {
@@ -145,14 +156,10 @@ void q4k_wide_fused(const Q4K& w, const int64_t* a, const int64_t* b, const Colu
         q4k_wide_scales(w, a, b, s, scales);
         __m512i total[R];
         for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_si512();
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < 2; ++h) {  // half the units at a time: 16 vectors of codes live, not 32
             __m512i v[4][4];
             q4k_wide_codes(w.codes, w.k, a, b, s, h, v);
-            for (int c = 0; c < 4; ++c) {
-                q4k_wide_half_group<R>([&](int j) { return _mm512_and_si512(v[c][j], low); }, scales[2 * c], x, s * 8 + 2 * c, h, total);
-                q4k_wide_half_group<R>([&](int j) { return _mm512_and_si512(_mm512_srli_epi16(v[c][j], 4), low); }, scales[2 * c + 1], x,
-                                       s * 8 + 2 * c + 1, h, total);
-            }
+            q4k_wide_half<R>([&](int c, int j) { return v[c][j]; }, scales, x, s, h, total);
         }
         q4k_wide_superblock_end<R>(scales, ta, tb, x, s, total, acc, acc_min);
     }
@@ -164,52 +171,46 @@ void q4k_wide_fused(const Q4K& w, const int64_t* a, const int64_t* b, const Colu
     }
 }
 
-// Two groups of rows (R1 then R2 of them, from first) against one pair of tiles: each superblock's codes transposed
-// once into a buffer (2 KB, in L1) that both groups read, where a fused call per group transposed them twice.
-template <int R1, int R2>
-void q4k_wide_two_groups(const Q4K& w, const int64_t* a, const int64_t* b, const ColumnTile& ta, const ColumnTile& tb, const QuantizedRows& rows,
-                         int64_t first, float** out, int64_t na, int va, int64_t nb, int vb) {
-    const GroupRows<R1> x1(rows, first, ta);
-    const GroupRows<R2> x2(rows, first + R1, ta);
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc1[R1], min1[R1], acc2[R2], min2[R2];
-    for (int r = 0; r < R1; ++r) acc1[r] = min1[r] = _mm512_setzero_ps();
-    for (int r = 0; r < R2; ++r) acc2[r] = min2[r] = _mm512_setzero_ps();
+// Passes of more than a row tile, up to kWideGroups of them: each superblock's codes transposed once into a buffer
+// (2 KB, in L1) that every group of rows reads, where a fused call per group would transpose them again. The groups
+// are of nearly equal sizes: `big` of R rows, then the rest of R - 1 (R >= 5 here, as rows > kRowTile).
+constexpr int kWideGroups = 4;
+
+template <int R>
+void q4k_wide_groups(const Q4K& w, const int64_t* a, const int64_t* b, const ColumnTile& ta, const ColumnTile& tb, const QuantizedRows& rows,
+                     int64_t count, float** out, int64_t na, int va, int64_t nb, int vb) {
+    const int64_t groups = (count + R - 1) / R, big = count - groups * (R - 1);
+    __m512 acc[kWideGroups][R], acc_min[kWideGroups][R];
+    for (int64_t g = 0; g < groups; ++g)
+        for (int r = 0; r < R; ++r) acc[g][r] = acc_min[g][r] = _mm512_setzero_ps();
     alignas(64) __m512i codes[2][4][4];
     for (int64_t s = 0; s < ta.groups / 8; ++s) {
         __m512i scales[12];
         q4k_wide_scales(w, a, b, s, scales);
         for (int h = 0; h < 2; ++h) q4k_wide_codes(w.codes, w.k, a, b, s, h, codes[h]);
-        const auto group = [&](const auto& x, __m512* acc, __m512* acc_min) {
-            constexpr int R = std::remove_reference_t<decltype(x)>::kRows;
-            __m512i total[R];
-            for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_si512();
-            for (int h = 0; h < 2; ++h)
-                for (int c = 0; c < 4; ++c) {
-                    const __m512i* v = codes[h][c];
-                    q4k_wide_half_group<R>([&](int j) { return _mm512_and_si512(v[j], low); }, scales[2 * c], x, s * 8 + 2 * c, h, total);
-                    q4k_wide_half_group<R>([&](int j) { return _mm512_and_si512(_mm512_srli_epi16(v[j], 4), low); }, scales[2 * c + 1], x,
-                                           s * 8 + 2 * c + 1, h, total);
-                }
-            q4k_wide_superblock_end<R>(scales, ta, tb, x, s, total, acc, acc_min);
+        const auto group = [&](const auto& x, __m512* group_acc, __m512* group_min) {
+            constexpr int N = std::remove_reference_t<decltype(x)>::kRows;
+            __m512i total[N];
+            for (int r = 0; r < N; ++r) total[r] = _mm512_setzero_si512();
+            for (int h = 0; h < 2; ++h) q4k_wide_half<N>([&](int c, int j) { return codes[h][c][j]; }, scales, x, s, h, total);
+            q4k_wide_superblock_end<N>(scales, ta, tb, x, s, total, group_acc, group_min);
         };
-        group(x1, acc1, min1);
-        group(x2, acc2, min2);
-    }
-    const auto store = [&](const __m512* acc, const __m512* acc_min, int count, int64_t from) {
-        for (int r = 0; r < count; ++r) {
-            alignas(64) float lanes[16];
-            _mm512_store_ps(lanes, _mm512_sub_ps(acc[r], acc_min[r]));
-            for (int i = 0; i < va; ++i) out[from + r][na + i] = lanes[i];
-            for (int i = 0; i < vb; ++i) out[from + r][nb + i] = lanes[kColumns + i];
+        for (int64_t g = 0, first = 0; g < groups; first += g < big ? R : R - 1, ++g) {
+            if (g < big) group(GroupRows<R>(rows, first, ta), acc[g], acc_min[g]);
+            else group(GroupRows<R - 1>(rows, first, ta), acc[g], acc_min[g]);
         }
-    };
-    store(acc1, min1, R1, first);
-    store(acc2, min2, R2, first + R1);
+    }
+    for (int64_t g = 0, first = 0; g < groups; first += g < big ? R : R - 1, ++g)
+        for (int r = 0; r < (g < big ? R : R - 1); ++r) {
+            alignas(64) float lanes[16];
+            _mm512_store_ps(lanes, _mm512_sub_ps(acc[g][r], acc_min[g][r]));
+            for (int i = 0; i < va; ++i) out[first + r][na + i] = lanes[i];
+            for (int i = 0; i < vb; ++i) out[first + r][nb + i] = lanes[kColumns + i];
+        }
 }
 
-// Q4_K's passes of 2 to 2 kRowTile rows, on pairs of 8-column tiles split over the threads, the rows in one or two
-// groups of nearly equal sizes (as column_matmul's fused calls). A lone last tile is computed as both of its pair
+// Q4_K's passes of 2 to kWideGroups kRowTile rows, on pairs of 8-column tiles split over the threads: up to a row
+// tile fused, more in groups of nearly equal sizes from the buffer (q4k_wide_groups). A lone last tile is computed as both of its pair
 // and stored once.
 inline void q4k_wide_columns(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base) {
     const int64_t tiles = (out_features + kColumns - 1) / kColumns, pairs = (tiles + 1) / 2;
@@ -233,14 +234,11 @@ inline void q4k_wide_columns(const Q4K& w, const QuantizedRows& a, int64_t rows,
                 });
                 continue;
             }
-            // Two groups of nearly equal sizes: rows / 2 rounded up, then the rest.
-            with_row_count<kRowTile>((int)(rows - rows / 2), [&](auto r1) {
-                constexpr int R1 = decltype(r1)::value;
-                if (rows % 2) {
-                    if constexpr (R1 > 1) q4k_wide_two_groups<R1, R1 - 1>(w, ca, cb, ta, tb, a, 0, out.data(), tile * kColumns, va, (tile + 1) * kColumns, vb);
-                } else {
-                    q4k_wide_two_groups<R1, R1>(w, ca, cb, ta, tb, a, 0, out.data(), tile * kColumns, va, (tile + 1) * kColumns, vb);
-                }
+            // Groups of nearly equal sizes: R rows each, the last ones R - 1.
+            const int64_t size = (rows + groups_of_rows - 1) / groups_of_rows;
+            with_row_count<kRowTile>((int)size, [&](auto r) {
+                constexpr int R = decltype(r)::value;
+                if constexpr (R > 1) q4k_wide_groups<R>(w, ca, cb, ta, tb, a, rows, out.data(), tile * kColumns, va, (tile + 1) * kColumns, vb);
             });
         }
     });

@@ -269,9 +269,9 @@ bool cpu_has_amx() {
 // for 1 row as for 16 (the 1.5B's 8960 x 1536 Q4_K block: 1.5x the VNNI kernels' time at 8 rows, 0.9x at 16, 0.35x
 // at 256; its 1536 x 8960 Q6_K block 1.0x at 16, 0.5x at 256).
 constexpr int64_t kAmxMinRows = 16;
-// Q4_K's passes of up to 20 rows run faster on the VNNI column tiles than on a tile pass: on 512-bit vectors two
-// column tiles side by side up to 16 rows (kernel_wide_columns.h), from an unpacked tile beyond (docs/engines.md).
-constexpr int64_t kQ4KAmxMinRows = 21;
+// Q4_K's passes of up to 24 rows run faster on the VNNI column tiles than on a tile pass, its large matrices on
+// 512-bit vectors, two column tiles side by side (kernel_wide_columns.h; docs/engines.md).
+constexpr int64_t kQ4KAmxMinRows = 25;
 
 // Q4_K's VNNI column tiles in Totals serve passes from this many rows, where they are measured faster than the
 // row kernels (docs/engines.md): 5 below AMX's passes on a Xeon (where the row kernels would run a tile of 4 rows

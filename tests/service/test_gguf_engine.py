@@ -706,8 +706,9 @@ def wide_columns(on: bool):
 @pytest.mark.parametrize("k, n", [(256, 37), (2048, 45), (8960, 37)])
 def test_q4_k_vnni_column_tiles_fused_and_unpacked_give_the_row_kernels_bits(k, n, wide):
     """The VNNI column tiles of Q4_K, which machines with AMX run from 5 rows in totals (fused with the codes'
-    unpacking up to two row tiles of 8, in groups of nearly equal sizes, on 512-bit vectors two tiles side by side,
-    or on 256-bit ones a tile at a time; from an unpacked tile beyond), on any VNNI machine: every row count gives
+    unpacking up to two row tiles of 8, in groups of nearly equal sizes, on 256-bit vectors a tile at a time; from an
+    unpacked tile beyond; on 512-bit vectors two tiles side by side, up to 4 row tiles from one transposition), on
+    any VNNI machine: every row count gives
     each row its bits alone (a row kernel's), the AVX2 kernels' and the float64 reference's product. 37 columns
     leave a tile without a pair (computed as both of it), 45 a pair whose second tile is partial."""
     ops = kernels()
@@ -720,7 +721,7 @@ def test_q4_k_vnni_column_tiles_fused_and_unpacked_give_the_row_kernels_bits(k, 
             ops.set_vnni_column_rows(2)
             assert [ops.product_kernel("q4k", rows) for rows in (1, 2, 8, 9)] == ["vnni rows"] + ["vnni columns"] * 3
             alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
-            for rows in (2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 40):
+            for rows in (2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 25, 32, 33, 40):
                 assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
         finally:
             ops.set_vnni_column_rows(0)
@@ -734,19 +735,19 @@ def test_q4_k_vnni_column_tiles_fused_and_unpacked_give_the_row_kernels_bits(k, 
 
 def test_with_amx_q4_k_passes_below_the_tiles_run_on_vnni_column_tiles_with_the_same_bits():
     """Where AMX runs the totals numerics, Q4_K's passes of 2-4 rows go to the VNNI row kernels (3-4 rows in the
-    pairs form, 2 output columns at a time) and of 5-20 rows to the column tiles in their VNNI form (dpbusd; up to
-    16 rows fused, on 512-bit vectors for large matrices), from 21 rows to AMX's tiles (Q6_K's from 16): each row's
-    bits are the AVX2 tiles' and its own alone."""
+    pairs form, 2 output columns at a time) and of 5-24 rows to the column tiles in their VNNI form (dpbusd; on
+    512-bit vectors for large matrices), from 25 rows to AMX's tiles (Q6_K's from 16): each row's bits are the AVX2
+    tiles' and its own alone."""
     ops = kernels()
     if ops.isa() != "amx":
         pytest.skip("this CPU gives no AMX tiles")
     layer = QuantizedLinear(random_k_quant("Q4_K", 37, 8960, seed=10))
-    x = torch.randn(21, 8960, generator=torch.Generator().manual_seed(11))
-    assert [ops.product_kernel("q4k", rows) for rows in (1, 4, 5, 20, 21)] == ["vnni rows"] * 2 + ["vnni columns"] * 2 + ["amx"]
+    x = torch.randn(29, 8960, generator=torch.Generator().manual_seed(11))
+    assert [ops.product_kernel("q4k", rows) for rows in (1, 4, 5, 24, 25)] == ["vnni rows"] * 2 + ["vnni columns"] * 2 + ["amx"]
     assert [ops.product_kernel("q6k", rows) for rows in (15, 16)] == ["vnni rows", "amx"]
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(21)])
-    results = {rows: layer(x[:rows]) for rows in (2, 3, 4, 5, 6, 8, 9, 15, 16, 17, 20, 21)}
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(29)])
+    results = {rows: layer(x[:rows]) for rows in (2, 3, 4, 5, 6, 8, 9, 15, 16, 17, 20, 24, 25, 29)}
     assert_the_avx2_tiles_bits_and_each_rows_own(layer, x, results, alone)
     with wide_columns(True):  # a matrix this small runs on 256-bit vectors by default
-        for rows in (5, 9, 16):
+        for rows in (5, 9, 16, 17, 24):
             assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows on 512-bit vectors"
