@@ -210,8 +210,8 @@ void q4k_wide_groups(const Q4K& w, const int64_t* a, const int64_t* b, const Col
 }
 
 // Q4_K's passes of 2 to kWideGroups kRowTile rows, on pairs of 8-column tiles split over the threads: up to a row
-// tile fused, more in groups of nearly equal sizes from the buffer (q4k_wide_groups). A lone last tile is computed as both of its pair
-// and stored once.
+// tile fused, more in groups of nearly equal sizes from the buffer (q4k_wide_groups). A lone last tile is computed
+// as both of its pair and stored once.
 inline void q4k_wide_columns(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base) {
     const int64_t tiles = (out_features + kColumns - 1) / kColumns, pairs = (tiles + 1) / 2;
     const int64_t groups = w.k / 32, groups_of_rows = (rows + kRowTile - 1) / kRowTile;

@@ -248,8 +248,8 @@ namespace amx {
 
 // The instruction set the products run on: "amx" where the CPU has AMX-INT8 and the kernel lets this process use
 // its tiles (calls of at least kAmxMinRows rows, Q4_K's of kQ4KAmxMinRows, go to the tiles, fewer to the VNNI
-// kernels), else "vnni" where it has AVX512-VNNI (Ice Lake and later Xeons, AMD Zen 4 and later), else "avx2"; set_isa forces a lesser one
-// (the tests compare them). All compute the same results bit for bit.
+// kernels), else "vnni" where it has AVX512-VNNI (Ice Lake and later Xeons, AMD Zen 4 and later), else "avx2";
+// set_isa forces a lesser one (the tests compare them). All compute the same results bit for bit.
 bool cpu_has_vnni() {  // what the vnni namespace is compiled for
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
 }
