@@ -143,6 +143,18 @@ SPECDEC_INLINE void q4k_wide_superblock_end(const __m512i* scales, const ColumnT
     }
 }
 
+// acc - acc_min of rows first..first+count-1 into their output columns: the low half's from na (va of them real),
+// the high half's from nb (vb).
+inline void store_pair(const __m512* acc, const __m512* acc_min, int count, float** out, int64_t first, int64_t na, int va, int64_t nb,
+                       int vb) {
+    for (int r = 0; r < count; ++r) {
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, _mm512_sub_ps(acc[r], acc_min[r]));
+        for (int i = 0; i < va; ++i) out[first + r][na + i] = lanes[i];
+        for (int i = 0; i < vb; ++i) out[first + r][nb + i] = lanes[kColumns + i];
+    }
+}
+
 // One pair of tiles (its columns a, b; their output columns from na, nb, of which va, vb real) for rows
 // first..first+R-1.
 template <int R>
@@ -163,12 +175,7 @@ void q4k_wide_fused(const Q4K& w, const int64_t* a, const int64_t* b, const Colu
         }
         q4k_wide_superblock_end<R>(scales, ta, tb, x, s, total, acc, acc_min);
     }
-    for (int r = 0; r < R; ++r) {
-        alignas(64) float lanes[16];
-        _mm512_store_ps(lanes, _mm512_sub_ps(acc[r], acc_min[r]));
-        for (int i = 0; i < va; ++i) out[first + r][na + i] = lanes[i];
-        for (int i = 0; i < vb; ++i) out[first + r][nb + i] = lanes[kColumns + i];
-    }
+    store_pair(acc, acc_min, R, out, first, na, va, nb, vb);
 }
 
 // Passes of more than a row tile, up to kWideGroups of them: each superblock's codes transposed once into a buffer
@@ -178,8 +185,9 @@ constexpr int kWideGroups = 4;
 
 template <int R>
 void q4k_wide_groups(const Q4K& w, const int64_t* a, const int64_t* b, const ColumnTile& ta, const ColumnTile& tb, const QuantizedRows& rows,
-                     int64_t count, float** out, int64_t na, int va, int64_t nb, int vb) {
-    const int64_t groups = (count + R - 1) / R, big = count - groups * (R - 1);
+                     int64_t count, int64_t groups, float** out, int64_t na, int va, int64_t nb, int vb) {
+    const int64_t big = count - groups * (R - 1);
+    const auto size = [&](int64_t g) { return g < big ? R : R - 1; };
     __m512 acc[kWideGroups][R], acc_min[kWideGroups][R];
     for (int64_t g = 0; g < groups; ++g)
         for (int r = 0; r < R; ++r) acc[g][r] = acc_min[g][r] = _mm512_setzero_ps();
@@ -195,18 +203,12 @@ void q4k_wide_groups(const Q4K& w, const int64_t* a, const int64_t* b, const Col
             for (int h = 0; h < 2; ++h) q4k_wide_half<N>([&](int c, int j) { return codes[h][c][j]; }, scales, x, s, h, total);
             q4k_wide_superblock_end<N>(scales, ta, tb, x, s, total, group_acc, group_min);
         };
-        for (int64_t g = 0, first = 0; g < groups; first += g < big ? R : R - 1, ++g) {
+        for (int64_t g = 0, first = 0; g < groups; first += size(g), ++g) {
             if (g < big) group(GroupRows<R>(rows, first, ta), acc[g], acc_min[g]);
             else group(GroupRows<R - 1>(rows, first, ta), acc[g], acc_min[g]);
         }
     }
-    for (int64_t g = 0, first = 0; g < groups; first += g < big ? R : R - 1, ++g)
-        for (int r = 0; r < (g < big ? R : R - 1); ++r) {
-            alignas(64) float lanes[16];
-            _mm512_store_ps(lanes, _mm512_sub_ps(acc[g][r], acc_min[g][r]));
-            for (int i = 0; i < va; ++i) out[first + r][na + i] = lanes[i];
-            for (int i = 0; i < vb; ++i) out[first + r][nb + i] = lanes[kColumns + i];
-        }
+    for (int64_t g = 0, first = 0; g < groups; first += size(g), ++g) store_pair(acc[g], acc_min[g], size(g), out, first, na, va, nb, vb);
 }
 
 // Q4_K's passes of 2 to kWideGroups kRowTile rows, on pairs of 8-column tiles split over the threads: up to a row
@@ -215,6 +217,7 @@ void q4k_wide_groups(const Q4K& w, const int64_t* a, const int64_t* b, const Col
 inline void q4k_wide_columns(const Q4K& w, const QuantizedRows& a, int64_t rows, int64_t out_features, float* base) {
     const int64_t tiles = (out_features + kColumns - 1) / kColumns, pairs = (tiles + 1) / 2;
     const int64_t groups = w.k / 32, groups_of_rows = (rows + kRowTile - 1) / kRowTile;
+    const int64_t size = (rows + groups_of_rows - 1) / groups_of_rows;  // of the first groups of rows, the rest 1 fewer
     at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
         ColumnTile ta(groups, 0), tb(groups, 0);
         std::vector<float*> out(rows);
@@ -234,11 +237,10 @@ inline void q4k_wide_columns(const Q4K& w, const QuantizedRows& a, int64_t rows,
                 });
                 continue;
             }
-            // Groups of nearly equal sizes: R rows each, the last ones R - 1.
-            const int64_t size = (rows + groups_of_rows - 1) / groups_of_rows;
             with_row_count<kRowTile>((int)size, [&](auto r) {
                 constexpr int R = decltype(r)::value;
-                if constexpr (R > 1) q4k_wide_groups<R>(w, ca, cb, ta, tb, a, rows, out.data(), tile * kColumns, va, (tile + 1) * kColumns, vb);
+                if constexpr (R > 1)
+                    q4k_wide_groups<R>(w, ca, cb, ta, tb, a, rows, groups_of_rows, out.data(), tile * kColumns, va, (tile + 1) * kColumns, vb);
             });
         }
     });
