@@ -7,6 +7,13 @@ from specdec.common.models import load_model
 from tests.support.services import TARGET, draft_spec
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The machine the run ran on, beside the failures (CI machines differ in CPU, and so in the kernels they run)."""
+    from specdec.bench.runner import cpu_model
+
+    terminalreporter.write_line(f"machine: {cpu_model()}")
+
+
 @pytest.fixture(scope="session")
 def target_model():
     return load_model(TARGET)

@@ -60,6 +60,53 @@ def rope_tables(decoder: torch.nn.Module, text) -> list[str | None]:
     return sorted(set(text.layer_types)) if architecture_of_decoder(decoder).rope_by_layer_type else [None]
 
 
+# Positions per block of a rotary table, each block computed in one call over exactly its positions.
+ROPE_BLOCK = 256
+
+
+def frequencies_move_with_length(rotary: torch.nn.Module) -> bool:
+    """Whether transformers recomputes the rotary frequencies from a pass's positions (its dynamic and longrope
+    types): their cos and sin then belong to the pass, and cannot be kept."""
+    types = rotary.rope_type.values() if isinstance(rotary.rope_type, dict) else [rotary.rope_type]
+    return any("dynamic" in t or t == "longrope" for t in types)
+
+
+class RotaryTables:
+    """cos and sin [rows, head dim] of a pass's positions, per rotary table, from transformers' rotary embedding (so
+    that any rope scaling it implements applies). They are read from kept blocks of ROPE_BLOCK positions, each
+    computed once in one call over its own positions, so a position's cos and sin are the same bits in a pass of
+    any length: torch computes cos and sin with MKL's vector math on x86, which chooses its code by CPU and promises
+    an accuracy, not the same bits for an element in calls of different lengths."""
+
+    def __init__(self, decoder: torch.nn.Module, text):
+        self.rotary, self.types = decoder.rotary_emb, rope_tables(decoder, text)
+        self.kept = not frequencies_move_with_length(self.rotary)
+        self.tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin of positions 0, 1, ...
+
+    def computed(self, positions: torch.Tensor, table: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        by_type = () if table is None else (table,)
+        cos, sin = self.rotary(torch.empty(1, len(positions), 1), positions[None], *by_type)
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def covering(self, table: str | None, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept table, grown by whole blocks to cover the first `positions` positions."""
+        kept = self.tables.get(table, ())
+        have = len(kept[0]) if kept else 0
+        if have < positions:
+            blocks = [self.computed(torch.arange(b, b + ROPE_BLOCK), table) for b in range(have, positions, ROPE_BLOCK)]
+            kept = tuple(torch.cat([*kept[i : i + 1], *(block[i] for block in blocks)]) for i in (0, 1))
+            self.tables[table] = kept
+        return kept
+
+    def __call__(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if not self.kept:
+            tables = [self.computed(positions, t) for t in self.types]
+        else:
+            end = int(positions.max()) + 1 if len(positions) else 0
+            tables = [[t.index_select(0, positions) for t in self.covering(table, end)] for table in self.types]
+        return [cos for cos, _ in tables], [sin for _, sin in tables]
+
+
 def architecture_of_decoder(decoder: torch.nn.Module) -> Architecture:
     return architecture_of(decoder.config.model_type)
 
@@ -100,8 +147,12 @@ def decoder_layers(decoder: torch.nn.Module, text):
 
 
 def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(logits / cap) where the config sets a final soft cap (as transformers' Gemma heads), else logits."""
-    return logits if not cap else logits.div_(cap).tanh_().mul_(cap)
+    """cap * tanh(logits / cap) where the config sets a final soft cap (as transformers' Gemma heads), else logits.
+    Row by row: every row's tanh (MKL's, as cos in RotaryTables) in a call of the same length, whatever the pass."""
+    if cap:
+        for row in logits:
+            row.div_(cap).tanh_().mul_(cap)
+    return logits
 
 
 class GgufRunner(ModelRunner):
@@ -113,7 +164,7 @@ class GgufRunner(ModelRunner):
 
     def __init__(self, model: torch.nn.Module):
         super().__init__(model)
-        self.layers = None  # built at the first pass, after any variant has trimmed them
+        self.layers = self.rotary = None  # built at the first pass, after any variant has trimmed them
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -124,18 +175,13 @@ class GgufRunner(ModelRunner):
         decoder = self.model.get_decoder()
         text = self.model.config.get_text_config()
         if self.layers is None:
-            self.layers = decoder_layers(decoder, text)
+            self.layers, self.rotary = decoder_layers(decoder, text), RotaryTables(decoder, text)
         lengths = [len(ids) for ids in token_ids]
         starts = [cache.get_seq_length() for cache in caches]
         ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
         hidden = decoder.embed_tokens(ids).contiguous()
-        cos, sin = [], []
-        for table in rope_tables(decoder, text):
-            by_type = () if table is None else (table,)
-            c, s = decoder.rotary_emb(hidden[None], positions[None], *by_type)
-            cos.append(c[0].contiguous())
-            sin.append(s[0].contiguous())
+        cos, sin = self.rotary(positions)
         # Room in every session's buffers for this pass (their lengths move only once the pass has succeeded).
         prototype = hidden.new_empty(1, text.num_key_value_heads, 0, decoder.layers[0].self_attn.head_dim)
         keys, values = [], []

@@ -8,7 +8,7 @@ from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from specdec.common.batched_forward import forward_sessions
 from specdec.common.models import load_model
-from specdec.common.quantized.decoder import StackedProducts
+from specdec.common.quantized.decoder import ROPE_BLOCK, RotaryTables, StackedProducts
 from specdec.common.quantized.kernels import kernels
 from tests.support.kernel_settings import kernel_settings, switched
 
@@ -31,6 +31,51 @@ def test_rotary_embedding_matches_transformers():
     kernels().rotary(ours_k, cos, sin)
     assert torch.allclose(ours_q, expected_q[0].transpose(0, 1), atol=1e-6)
     assert torch.allclose(ours_k, expected_k[0].transpose(0, 1), atol=1e-6)
+
+
+def recorded_rotary(decoder) -> list[list[int]]:
+    """The positions of every call of the decoder's rotary embedding, from now on."""
+    calls, forward = [], decoder.rotary_emb.forward
+
+    def recording(x, position_ids, *by_type):
+        calls.append(position_ids[0].tolist())
+        return forward(x, position_ids, *by_type)
+
+    decoder.rotary_emb.forward = recording
+    return calls
+
+
+def test_a_positions_cos_and_sin_are_read_from_a_block_computed_once_in_any_pass():
+    """The pass takes cos and sin from blocks of ROPE_BLOCK positions, each computed once by transformers' rotary
+    embedding in one call over exactly its positions: a position's values are the same bits alone and in a pass of
+    any length (torch's cos and sin are MKL's on x86, which need not give an element the same bits in calls of
+    different lengths), and they are transformers' own for those positions."""
+    model = load_model(SMOLLM2 + "#layers=1", engine="gguf").model
+    decoder, text = model.get_decoder(), model.config.get_text_config()
+    positions = torch.tensor([3, ROPE_BLOCK - 1, ROPE_BLOCK, ROPE_BLOCK + 40])
+    direct_cos, direct_sin = (t[0] for t in decoder.rotary_emb(torch.empty(1, 4, 1), positions[None]))
+    calls = recorded_rotary(decoder)
+    tables = RotaryTables(decoder, text)
+    alone = [tables(positions[i : i + 1]) for i in range(4)]
+    (cos,), (sin,) = tables(positions)
+    assert calls == [list(range(0, ROPE_BLOCK)), list(range(ROPE_BLOCK, 2 * ROPE_BLOCK))]
+    for i, ((cos_alone,), (sin_alone,)) in enumerate(alone):
+        assert torch.equal(cos_alone[0], cos[i]) and torch.equal(sin_alone[0], sin[i]), f"position {positions[i]}"
+    assert torch.allclose(cos, direct_cos, rtol=0, atol=1e-6) and torch.allclose(sin, direct_sin, rtol=0, atol=1e-6)
+    assert not torch.equal(cos[0], cos[1])
+
+
+def test_rotary_frequencies_that_move_with_the_pass_are_computed_for_each_pass():
+    """transformers' dynamic and longrope types recompute the frequencies from a pass's positions: such cos and sin
+    belong to the pass, and are not kept."""
+    model = load_model(SMOLLM2 + "#layers=1", engine="gguf").model
+    decoder, text = model.get_decoder(), model.config.get_text_config()
+    decoder.rotary_emb.rope_type = "dynamic"
+    calls = recorded_rotary(decoder)
+    tables = RotaryTables(decoder, text)
+    tables(torch.tensor([5, 6]))
+    tables(torch.tensor([7]))
+    assert calls == [[5, 6], [7]]
 
 
 def test_attention_over_several_sessions_matches_causal_sdpa_on_each_and_appends_their_keys():
@@ -255,7 +300,7 @@ def python_loop_pass(model, products, caches, token_ids, logits_to_keep) -> list
     ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
     hidden = decoder.embed_tokens(ids).contiguous()
-    cos, sin = (t[0].contiguous() for t in decoder.rotary_emb(hidden[None], positions[None]))
+    (cos,), (sin,) = RotaryTables(decoder, text)(positions)
     for index, (layer, (qkv, gate_up)) in enumerate(zip(decoder.layers, products, strict=True)):
         attention, mlp = layer.self_attn, layer.mlp
         prototype = hidden.new_empty(1, kv_heads, 0, attention.head_dim)
