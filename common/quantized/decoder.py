@@ -60,7 +60,7 @@ def rope_tables(decoder: torch.nn.Module, text) -> list[str | None]:
     return sorted(set(text.layer_types)) if architecture_of_decoder(decoder).rope_by_layer_type else [None]
 
 
-# Positions per block of a rotary table, each block computed in one call over exactly its positions.
+# Positions a rotary table grows by.
 ROPE_BLOCK = 256
 
 
@@ -73,10 +73,11 @@ def frequencies_move_with_length(rotary: torch.nn.Module) -> bool:
 
 class RotaryTables:
     """cos and sin [rows, head dim] of a pass's positions, per rotary table, from transformers' rotary embedding (so
-    that any rope scaling it implements applies). They are read from kept blocks of ROPE_BLOCK positions, each
-    computed once in one call over its own positions, so a position's cos and sin are the same bits in a pass of
-    any length: torch computes cos and sin with MKL's vector math on x86, which chooses its code by CPU and promises
-    an accuracy, not the same bits for an element in calls of different lengths."""
+    that any rope scaling it implements applies). Each position's are computed once, in a call of its own, and
+    kept: one shape for every position (a row of head-dim values, below torch's parallel grain: one call into MKL
+    whatever the thread count), so they are the same bits in a pass of any length, on any worker. torch computes
+    cos and sin with MKL's vector math on x86, which chooses its code by CPU and promises an accuracy, not the same
+    bits for an element in calls of other lengths."""
 
     def __init__(self, decoder: torch.nn.Module, text):
         self.rotary, self.types = decoder.rotary_emb, rope_tables(decoder, text)
@@ -89,12 +90,13 @@ class RotaryTables:
         return cos[0].contiguous(), sin[0].contiguous()
 
     def covering(self, table: str | None, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept table, grown by whole blocks to cover the first `positions` positions."""
+        """The kept table, grown by whole blocks of ROPE_BLOCK positions to cover the first `positions`."""
         kept = self.tables.get(table, ())
         have = len(kept[0]) if kept else 0
         if have < positions:
-            blocks = [self.computed(torch.arange(b, b + ROPE_BLOCK), table) for b in range(have, positions, ROPE_BLOCK)]
-            kept = tuple(torch.cat([*kept[i : i + 1], *(block[i] for block in blocks)]) for i in (0, 1))
+            whole_blocks = (positions + ROPE_BLOCK - 1) // ROPE_BLOCK * ROPE_BLOCK
+            rows = [self.computed(torch.tensor([p]), table) for p in range(have, whole_blocks)]
+            kept = tuple(torch.cat([*kept[i : i + 1], *(row[i] for row in rows)]) for i in (0, 1))
             self.tables[table] = kept
         return kept
 
@@ -102,7 +104,7 @@ class RotaryTables:
         if not self.kept:
             tables = [self.computed(positions, t) for t in self.types]
         else:
-            end = int(positions.max()) + 1 if len(positions) else 0
+            end = int(positions.max()) + 1 if len(positions) else 1
             tables = [[t.index_select(0, positions) for t in self.covering(table, end)] for table in self.types]
         return [cos for cos, _ in tables], [sin for _, sin in tables]
 
